@@ -1,0 +1,54 @@
+# Two commands set everything up on a fresh machine (Python 3.11 + Java 17):
+#   make demo   - synthetic log -> build -> expand on local Spark with Delta
+#   make test   - the test suite
+# Both create .venv from the lock file if missing, fetch Delta's jars and the
+# petastorm side environment. Nothing needs installing by hand.
+
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+UV_VERSION := 0.13.9
+STAMP := $(VENV)/.installed
+PETA := .venv-petastorm
+PETA_STAMP := $(PETA)/.installed
+DEMO ?= demo
+
+.PHONY: demo test setup jars lock clean bench
+
+setup: $(STAMP) $(PETA_STAMP) jars
+
+$(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
+	$(BIN)/uv pip sync -q --python $(BIN)/python requirements.lock
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r requirements-nodeps.lock
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
+	touch $(STAMP)
+
+# petastorm needs pyarrow 14 / numpy 1.26: its own small environment, used by
+# the tests as a second, independent reader of our shards.
+$(PETA_STAMP): requirements-petastorm.lock $(STAMP)
+	test -x $(PETA)/bin/python || $(PY) -m venv $(PETA)
+	$(BIN)/uv pip sync -q --python $(PETA)/bin/python requirements-petastorm.lock
+	$(BIN)/uv pip install -q --python $(PETA)/bin/python --no-deps petastorm==0.12.1
+	touch $(PETA_STAMP)
+
+jars: $(STAMP)
+	$(BIN)/userwise jars >/dev/null
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python -m userwise.pipelines.demo --output $(DEMO)
+
+bench: setup
+	$(BIN)/python benchmarks/build_bench.py
+
+# Regenerate the lock files after changing pyproject.toml.
+lock: $(STAMP)
+	$(BIN)/uv pip compile -q --python $(BIN)/python --extra all pyproject.toml -o requirements.lock
+	$(BIN)/uv pip compile -q --python $(PETA)/bin/python requirements-petastorm.in -o requirements-petastorm.lock
+
+clean:
+	rm -rf $(VENV) $(PETA) $(DEMO) .pytest_cache

@@ -1,0 +1,202 @@
+"""`userwise`: one console script, one subcommand per job.
+
+Each subcommand's handler lives in its own module and is imported only when
+that subcommand runs, so ``userwise --help`` and the loader's commands start
+without Spark. Errors a user can fix print one line (``error: ...``) and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import UserwiseError
+
+
+def _date(s: str) -> str:
+    import datetime as dt
+
+    try:
+        dt.date.fromisoformat(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a date YYYY-MM-DD") from None
+    return s
+
+
+def _pos_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _common_spark(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", help="Spark master URL (default: local[2], or what spark-submit set)")
+
+
+def _build_args(p):
+    p.add_argument("--config", required=True, help="YAML config mapping columns onto roles")
+    p.add_argument("--input", required=True, help="impression log: Parquet or Delta folder")
+    p.add_argument("--output", required=True, help="folder for the Delta tables (requests, history, samples, ...)")
+    p.add_argument("--as-of", required=True, type=_date, help="exclusive UTC date T: requests before T are built")
+    p.add_argument("--pretrain-days", required=True, type=int, help="M: the last M days are incremental windows")
+    p.add_argument("--window-days", required=True, type=_pos_int, help="N: incremental window length (divides M)")
+    p.add_argument("--actions", help="optional separate action log (Parquet or Delta); mapped by columns.actions")
+    p.add_argument("--report", help="also write the report as JSON to this file")
+    _common_spark(p)
+
+
+def _day_args(p, needs_input=True):
+    p.add_argument("--config", required=True)
+    if needs_input:
+        p.add_argument("--input", required=True)
+        p.add_argument("--actions")
+    p.add_argument("--output", required=True, help="the build folder (as for `userwise build`)")
+    p.add_argument("--date", required=True, type=_date, help="the UTC day to process")
+    _common_spark(p)
+
+
+def _synth_args(p):
+    p.add_argument("--output", required=True, help="output folder: lean/, fat/, actions/ and config*.yaml")
+    p.add_argument("--start", type=_date, default="2026-01-01", help="first UTC day")
+    p.add_argument("--days", type=_pos_int, default=3)
+    p.add_argument("--users", type=_pos_int, default=200)
+    p.add_argument("--items", type=_pos_int, default=5000)
+    p.add_argument("--impressions", type=int, default=None, help="target impressions in total (overrides --users)")
+    p.add_argument("--max-seq-len", type=_pos_int, default=50, help="L for the fat rows' snapshots and the config")
+    p.add_argument("--format", choices=["parquet", "delta"], default="parquet")
+    p.add_argument("--kinds", default="lean,fat,actions", help="comma list of lean, fat, actions")
+    p.add_argument("--bad-rows", type=float, default=0.0, help="share of malformed rows to inject (for tests)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _expand_args(p):
+    p.add_argument("--samples", required=True, help="the build folder (or its samples table)")
+    p.add_argument("--output", required=True, help="Parquet folder for the point-wise rows")
+    p.add_argument("--max-seq-len", type=_pos_int, help="L' <= the build's L (default: the build's L)")
+    p.add_argument("--kind", choices=["incremental", "pretrain"], help="only this kind")
+    _common_spark(p)
+
+
+def _preshard_args(p):
+    p.add_argument("--samples", required=True, help="the build folder (output of `userwise build`)")
+    p.add_argument("--output", required=True, help="shard set root")
+    p.add_argument("--nodes", required=True, type=_pos_int)
+    p.add_argument("--ranks-per-node", required=True, type=_pos_int)
+    p.add_argument("--kind", choices=["incremental", "pretrain"], help="default: every kind")
+    p.add_argument("--window", help="incremental window end date (YYYY-MM-DD); default: every window")
+    p.add_argument("--target-shard-mb", type=float, default=256.0)
+    p.add_argument("--row-group-rows", type=_pos_int, default=2048)
+    p.add_argument("--compression", default="zstd", help="zstd | none | snappy (all columns)")
+    p.add_argument("--layout", choices=["parquet", "gds"], default="parquet")
+    p.add_argument("--seed", type=int, default=0)
+    _common_spark(p)
+
+
+def _stage_args(p):
+    p.add_argument("--shards", required=True, help="shard set root: a path or any fsspec/pyarrow URL")
+    p.add_argument("--node", required=True, type=int)
+    p.add_argument("--dest", required=True, help="local NVMe folder")
+    p.add_argument("--workers", type=_pos_int, default=8)
+
+
+def _diagnose_args(p):
+    p.add_argument("--shards", required=True, help="one node's staged shards")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
+    p.add_argument("--batch-size", type=_pos_int, default=64)
+    p.add_argument("--batches", type=_pos_int, default=50)
+
+
+def _backfill_args(p):
+    p.add_argument("--from", dest="date_from", required=True, type=_date)
+    p.add_argument("--to", dest="date_to", required=True, type=_date, help="inclusive")
+    p.add_argument("--config", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--actions")
+    p.add_argument("--output", required=True, help="the build folder")
+    p.add_argument("--shards", help="shard set root to pre-shard each day into (optional)")
+    p.add_argument("--pretrain-days", type=int, default=30)
+    p.add_argument("--window-days", type=_pos_int, default=1)
+    p.add_argument("--nodes", type=_pos_int, default=1)
+    p.add_argument("--ranks-per-node", type=_pos_int, default=1)
+    p.add_argument("--force", action="store_true", help="rebuild days already published")
+    _common_spark(p)
+
+
+def _validate_args(p):
+    p.add_argument("--config", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--actions")
+    p.add_argument("--sample-rows", type=_pos_int, default=10000)
+
+
+# name -> (one-line help, argument builder, "module:function")
+COMMANDS = {
+    "synth": ("generate a synthetic impression log (lean, fat rows, action log) and its config",
+              _synth_args, "userwise.pipelines.synth:cli"),
+    "validate": ("check a config against an input's schema and a sample of its rows; writes nothing",
+                 _validate_args, "userwise.pipelines.validate:cli"),
+    "build": ("build requests, history, samples and quarantine for a date range (Spark + Delta)",
+              _build_args, "userwise.pipelines.build:cli"),
+    "expand": ("expand user-wise samples back to point-wise rows (the lossless round trip)",
+               _expand_args, "userwise.pipelines.expand:cli"),
+    "requests": ("daily job: build the requests (and quarantine) of one date",
+                 _day_args, "userwise.pipelines.daily:requests_cli"),
+    "history": ("daily job: MERGE one date's actions into the user history",
+                lambda p: _day_args(p, needs_input=False), "userwise.pipelines.daily:history_cli"),
+    "window": ("daily job: build the incremental samples of the window ending after one date",
+               lambda p: (_day_args(p, needs_input=False),
+                          p.add_argument("--window-days", type=_pos_int, default=1)),
+               "userwise.pipelines.daily:window_cli"),
+    "pretrain": ("job: build the pretrain samples (requests before as-of minus M days)",
+                 lambda p: (_day_args(p, needs_input=False),
+                            p.add_argument("--pretrain-days", type=int, required=True)),
+                 "userwise.pipelines.daily:pretrain_cli"),
+    "preshard": ("pre-shard samples into balanced per-node Parquet shard sets with a manifest",
+                 _preshard_args, "userwise.pipelines.preshard:cli"),
+    "stage": ("copy one node's shards to local disk, verified and resumable",
+              _stage_args, "userwise.pipelines.stage:cli"),
+    "diagnose": ("three-step bottleneck test of the loader on one node's shards",
+                 _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
+    "backfill": ("run the daily chain day by day over a date range, skipping published days",
+                 _backfill_args, "userwise.pipelines.daily:backfill_cli"),
+    "jars": ("fetch Delta's jars into the local cache (Spark's resolver, else Maven)",
+             lambda p: None, "userwise.pipelines.jars:cli"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="userwise",
+        description="User-wise recommender samples: build with Spark/Delta, pre-shard, load into PyTorch.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub.required = True
+    for name, (help_, build, _) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        build(sp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    target = COMMANDS[args.command][2]
+    mod, fn = target.split(":")
+    try:
+        handler = getattr(importlib.import_module(mod), fn)
+        rc = handler(args)
+    except UserwiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The YAML config: column roles and build limits, validated on load.
+
+Errors name the key, the column and the fix, in one line, e.g.::
+
+    config error at columns.labels[1]: column 'clik' is not in the input; did you mean 'click'?
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import yaml
+
+from userwise.schemas import TIME_UNITS, Layout, SeqField
+from userwise.schemas.layout import snapshot_element_type
+
+from .errors import UserwiseError
+
+
+class ConfigError(UserwiseError, ValueError):
+    """A config that cannot work; the message says where and how to fix it."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config error at {key}: {message}")
+
+
+COLUMN_ROLES = {
+    "user": "str",
+    "request": "str",
+    "request_time": "str",
+    "action_time": "str",
+    "item": "str",
+    "position": "str",
+    "labels": "list",
+    "action_labels": "list",
+    "item_features": "list",
+    "context_features": "list",
+    "user_features": "list",
+    "sequence": "dict",
+    "actions": "dict",
+}
+REQUIRED_ROLES = ("user", "request_time", "item", "labels")
+ACTION_ROLES = {"user": "str", "item": "str", "time": "str", "labels": "str|list", "item_features": "list"}
+TOP_KEYS = {
+    "columns": None,
+    "time_unit": "ms",
+    "max_seq_len": 1000,
+    "history_length": 2000,
+    "max_sample_cost": 20000,
+    "max_quarantine_share": 0.01,
+    "seed": 0,
+    # sane time range for request / action times (UTC years)
+    "min_year": 2000,
+    "max_year": 2100,
+    # skew: rows of one user are split by this time bucket before any per-user window
+    "skew_bucket_seconds": 3600,
+}
+
+
+@dataclass(frozen=True)
+class ActionsConfig:
+    user: str
+    item: str
+    time: str
+    labels: tuple[str, ...] | str  # list of label columns, or one bits column
+    item_features: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    columns: dict[str, Any]
+    time_unit: str = "ms"
+    max_seq_len: int = 1000
+    history_length: int = 2000
+    max_sample_cost: int = 20000
+    max_quarantine_share: float = 0.01
+    seed: int = 0
+    min_year: int = 2000
+    max_year: int = 2100
+    skew_bucket_seconds: int = 3600
+    actions: ActionsConfig | None = None
+    source: str | None = field(default=None, compare=False)
+
+    # -- role accessors -----------------------------------------------------
+    def col(self, role: str) -> str | None:
+        return self.columns.get(role)
+
+    def cols(self, role: str) -> tuple[str, ...]:
+        return tuple(self.columns.get(role) or ())
+
+    @property
+    def fat(self) -> bool:
+        return bool(self.columns.get("sequence"))
+
+    @property
+    def sequence(self) -> dict[str, str]:
+        return dict(self.columns.get("sequence") or {})
+
+    @property
+    def action_labels(self) -> tuple[str, ...]:
+        return self.cols("action_labels") or self.cols("labels")
+
+    @property
+    def units_per_second(self) -> int:
+        return {"s": 1, "ms": 1000, "us": 1_000_000}[self.time_unit]
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in TOP_KEYS if k != "columns"}
+        out["columns"] = dict(self.columns)
+        if self.actions is not None:
+            a = self.actions
+            out["columns"]["actions"] = {
+                "user": a.user,
+                "item": a.item,
+                "time": a.time,
+                "labels": list(a.labels) if isinstance(a.labels, tuple) else a.labels,
+                "item_features": list(a.item_features),
+            }
+        return out
+
+    # -- resolution against an input ----------------------------------------
+    def layout(self, schema: pa.Schema) -> Layout:
+        """Check every mapped column against the input schema and build the layout."""
+        check_columns(self, schema)
+        f = lambda c: None if c is None else schema.field(c)  # noqa: E731
+        mapped = {
+            self.col("user"),
+            self.col("request"),
+            self.col("request_time"),
+            self.col("action_time"),
+            self.col("item"),
+            self.col("position"),
+            *self.cols("labels"),
+            *self.cols("item_features"),
+            *self.cols("context_features"),
+            *self.cols("user_features"),
+            *self.sequence.values(),
+        }
+        passthrough = tuple(x for x in schema if x.name not in mapped)
+        snapshot: tuple[SeqField, ...] = ()
+        if self.fat:
+            snapshot = tuple(
+                SeqField(role, snapshot_element_type(schema.field(c).type, c), c)
+                for role, c in self.sequence.items()
+            )
+        return Layout(
+            fat=self.fat,
+            time_unit=self.time_unit,
+            user=f(self.col("user")),
+            request=f(self.col("request")),
+            request_time=f(self.col("request_time")),
+            action_time=f(self.col("action_time")),
+            item=f(self.col("item")),
+            position=f(self.col("position")),
+            labels=tuple(schema.field(c) for c in self.cols("labels")),
+            action_labels=self.action_labels,
+            item_features=tuple(schema.field(c) for c in self.cols("item_features")),
+            context_features=tuple(schema.field(c) for c in self.cols("context_features")),
+            user_features=tuple(schema.field(c) for c in self.cols("user_features")),
+            passthrough=passthrough,
+            snapshot=snapshot,
+            input_schema=schema,
+        )
+
+
+def _expect(key: str, value: Any, kind: str) -> None:
+    ok = {
+        "str": isinstance(value, str) and value != "",
+        "list": isinstance(value, list) and all(isinstance(v, str) and v for v in value),
+        "dict": isinstance(value, dict),
+        "str|list": (isinstance(value, str) and value != "")
+        or (isinstance(value, list) and all(isinstance(v, str) for v in value)),
+    }[kind]
+    if not ok:
+        want = {"str": "a column name", "list": "a list of column names", "dict": "a mapping",
+                "str|list": "a column name or a list of column names"}[kind]
+        raise ConfigError(key, f"expected {want}, found {value!r}")
+
+
+def _unknown(key: str, got: str, allowed) -> ConfigError:
+    hint = difflib.get_close_matches(got, list(allowed), n=1)
+    fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(sorted(allowed))}"
+    return ConfigError(f"{key}.{got}" if key else got, f"unknown key; {fix}")
+
+
+def parse(raw: Any, source: str | None = None) -> Config:
+    """Validate a config mapping (from YAML) without looking at any input."""
+    if not isinstance(raw, dict):
+        raise ConfigError("<top>", f"expected a mapping at the top of the file, found {type(raw).__name__}")
+    for k in raw:
+        if k not in TOP_KEYS:
+            raise _unknown("", k, TOP_KEYS)
+    cols = raw.get("columns")
+    if not isinstance(cols, dict):
+        raise ConfigError("columns", "missing: map your columns onto roles (user, request_time, item, labels)")
+    for k, v in cols.items():
+        if k not in COLUMN_ROLES:
+            raise _unknown("columns", k, COLUMN_ROLES)
+        _expect(f"columns.{k}", v, COLUMN_ROLES[k])
+    for r in REQUIRED_ROLES:
+        if not cols.get(r):
+            raise ConfigError(f"columns.{r}", f"required role is missing; add `{r}: <your column>`")
+    opts = {k: raw.get(k, TOP_KEYS[k]) for k in TOP_KEYS if k != "columns"}
+    if opts["time_unit"] not in TIME_UNITS:
+        raise ConfigError("time_unit", f"{opts['time_unit']!r} is not one of {', '.join(TIME_UNITS)}")
+    for k in ("max_seq_len", "history_length", "max_sample_cost", "seed", "min_year", "max_year",
+              "skew_bucket_seconds"):
+        if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 0:
+            raise ConfigError(k, f"expected a non-negative integer, found {opts[k]!r}")
+    if opts["max_seq_len"] < 1:
+        raise ConfigError("max_seq_len", "must be at least 1")
+    if opts["history_length"] < opts["max_seq_len"]:
+        raise ConfigError(
+            "history_length",
+            f"{opts['history_length']} < max_seq_len {opts['max_seq_len']}: the history must hold at least L events",
+        )
+    if opts["max_sample_cost"] <= opts["max_seq_len"]:
+        raise ConfigError(
+            "max_sample_cost",
+            f"{opts['max_sample_cost']} must be above max_seq_len {opts['max_seq_len']} "
+            "(a chunk must fit one full sequence plus impressions)",
+        )
+    share = opts["max_quarantine_share"]
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
+        raise ConfigError("max_quarantine_share", f"expected a share in [0, 1], found {share!r}")
+    if opts["skew_bucket_seconds"] < 1:
+        raise ConfigError("skew_bucket_seconds", "must be at least 1")
+    seq = cols.get("sequence")
+    if seq is not None:
+        if not seq:
+            raise ConfigError("columns.sequence", "empty; map at least `item` and `time` to snapshot list columns")
+        for role in ("item", "time"):
+            if role not in seq:
+                raise ConfigError(f"columns.sequence.{role}", "required for fat rows: the snapshot's list column")
+        for role, c in seq.items():
+            _expect(f"columns.sequence.{role}", c, "str")
+    actions = None
+    a = cols.get("actions")
+    if a is not None:
+        for k, v in a.items():
+            if k not in ACTION_ROLES:
+                raise _unknown("columns.actions", k, ACTION_ROLES)
+            _expect(f"columns.actions.{k}", v, ACTION_ROLES[k])
+        for r in ("user", "item", "time", "labels"):
+            if not a.get(r):
+                raise ConfigError(f"columns.actions.{r}", "required role of the action log is missing")
+        labels = a["labels"]
+        afeat = tuple(a.get("item_features") or ())
+        if len(afeat) != len(cols.get("item_features") or ()):
+            raise ConfigError(
+                "columns.actions.item_features",
+                f"{len(afeat)} columns for {len(cols.get('item_features') or ())} item_features: "
+                "list one action-log column per impression item feature, in the same order",
+            )
+        if isinstance(labels, list):
+            n_act = len(cols.get("action_labels") or cols.get("labels"))
+            if len(labels) != n_act:
+                raise ConfigError(
+                    "columns.actions.labels",
+                    f"{len(labels)} columns for {n_act} action labels: list them in the same order, "
+                    "or give one integer column of action bits",
+                )
+        actions = ActionsConfig(
+            user=a["user"], item=a["item"], time=a["time"],
+            labels=tuple(labels) if isinstance(labels, list) else labels, item_features=afeat,
+        )
+        if seq is not None:
+            raise ConfigError("columns.actions", "an action log is for lean input; fat rows carry their sequence")
+    for lbl in cols.get("action_labels") or ():
+        if lbl not in cols["labels"]:
+            raise ConfigError("columns.action_labels", f"{lbl!r} is not one of columns.labels")
+    columns = {k: v for k, v in cols.items() if k != "actions"}
+    return Config(columns=columns, actions=actions, source=source, **opts)
+
+
+def load(path: str | Path) -> Config:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError("<file>", f"{p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
+    return parse(raw, source=str(p))
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
+
+
+def _time_like(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_timestamp(t)
+
+
+def _missing(key: str, col: str, schema: pa.Schema) -> ConfigError:
+    hint = difflib.get_close_matches(col, schema.names, n=1)
+    fix = f"did you mean {hint[0]!r}?" if hint else f"the input has: {', '.join(schema.names)}"
+    return ConfigError(key, f"column {col!r} is not in the input; {fix}")
+
+
+def check_columns(cfg: Config, schema: pa.Schema) -> None:
+    """Every mapped column exists, with a type its role can use."""
+    names = set(schema.names)
+    singles = ["user", "request", "request_time", "action_time", "item", "position"]
+    for role in singles:
+        c = cfg.col(role)
+        if c is not None and c not in names:
+            raise _missing(f"columns.{role}", c, schema)
+    for role in ("labels", "action_labels", "item_features", "context_features", "user_features"):
+        for i, c in enumerate(cfg.cols(role)):
+            if c not in names:
+                raise _missing(f"columns.{role}[{i}]", c, schema)
+    for role, c in cfg.sequence.items():
+        if c not in names:
+            raise _missing(f"columns.sequence.{role}", c, schema)
+        t = schema.field(c).type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+            raise ConfigError(f"columns.sequence.{role}", f"column {c!r} is {t}, not a list column")
+    for i, c in enumerate(cfg.cols("labels")):
+        t = schema.field(c).type
+        if not _numeric(t):
+            raise ConfigError(
+                f"columns.labels[{i}]", f"column {c!r} is {t}, not numeric; map a numeric column or cast it"
+            )
+    for role in ("request_time", "action_time"):
+        c = cfg.col(role)
+        if c is not None and not _time_like(schema.field(c).type):
+            raise ConfigError(
+                f"columns.{role}", f"column {c!r} is {schema.field(c).type}; expected integer epoch "
+                f"({cfg.time_unit}) or a timestamp",
+            )
+    if cfg.col("position") and not pa.types.is_integer(schema.field(cfg.col("position")).type):
+        raise ConfigError("columns.position", f"column {cfg.col('position')!r} must be an integer column")
+    used: dict[str, str] = {}
+    for role in singles:
+        c = cfg.col(role)
+        if c is None:
+            continue
+        if c in used and not (role == "action_time" and used[c] == "request_time"):
+            raise ConfigError(f"columns.{role}", f"column {c!r} is already mapped to {used[c]}")
+        used.setdefault(c, role)
+
+
+def check_actions_columns(cfg: Config, schema: pa.Schema) -> None:
+    a = cfg.actions
+    if a is None:
+        raise ConfigError("columns.actions", "--actions was given but the config has no `actions:` section")
+    for role in ("user", "item", "time"):
+        c = getattr(a, role)
+        if c not in schema.names:
+            raise _missing(f"columns.actions.{role}", c, schema)
+    labels = a.labels if isinstance(a.labels, tuple) else (a.labels,)
+    for i, c in enumerate(labels):
+        if c not in schema.names:
+            raise _missing(f"columns.actions.labels[{i}]", c, schema)
+        if not _numeric(schema.field(c).type):
+            raise ConfigError(f"columns.actions.labels[{i}]", f"column {c!r} is not numeric")
+    for i, c in enumerate(a.item_features):
+        if c not in schema.names:
+            raise _missing(f"columns.actions.item_features[{i}]", c, schema)

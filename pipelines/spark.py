@@ -1,0 +1,68 @@
+"""The one place a SparkSession is made: local by default, any master by URL.
+
+Local mode is the embedded default: Delta tables in a folder, few shuffle
+partitions, UTC everywhere. Under spark-submit (YARN, Kubernetes, standalone)
+the submitted configuration wins and we only add what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import jars
+
+_LOCAL_DEFAULTS = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.default.parallelism": "4",
+    "spark.driver.memory": "4g",
+    "spark.sql.adaptive.enabled": "true",
+    "spark.sql.adaptive.skewJoin.enabled": "true",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.databricks.delta.schema.autoMerge.enabled": "false",
+    "spark.driver.extraJavaOptions": "-Dlog4j2.level=warn",
+}
+
+_ALWAYS = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.sql.session.timeZone": "UTC",
+    # Parquet row index and file path let the build name every input row.
+    "spark.sql.parquet.enableVectorizedReader": "true",
+    "spark.databricks.delta.retentionDurationCheck.enabled": "false",
+}
+
+
+def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None = None,
+              conf: dict[str, str] | None = None):
+    """Return the active session or make one.
+
+    ``master=None`` means: whatever spark-submit set, else ``local[2]``.
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    b = SparkSession.builder.appName(app)
+    submitted = "SPARK_SUBMIT_OPTS" in os.environ or os.environ.get("SPARK_ENV_LOADED") == "1" or \
+        bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
+    if master:
+        b = b.master(master)
+    elif not submitted:
+        b = b.master(os.environ.get("USERWISE_SPARK_MASTER", "local[2]"))
+    local = not submitted and (master is None or master.startswith("local"))
+    if local:
+        for k, v in _LOCAL_DEFAULTS.items():
+            b = b.config(k, v)
+        b = b.config("spark.ui.enabled", "false" if ui is False else "true" if ui else "false")
+    for k, v in _ALWAYS.items():
+        b = b.config(k, v)
+    if not submitted:
+        # Under spark-submit the jars come with --jars/--packages; here we add them.
+        b = b.config("spark.jars", ",".join(jars.ensure()))
+    for k, v in (conf or {}).items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("USERWISE_SPARK_LOG", "WARN"))
+    return spark

@@ -1,0 +1,39 @@
+"""The one source of truth for every table and file schema.
+
+Each schema is defined once with Arrow types; ``to_spark()`` and
+``to_delta()`` derive the other forms. Import without Spark: the loader does.
+"""
+
+from .core import (
+    FORMAT_VERSION,
+    Field,
+    SchemaError,
+    TableSchema,
+    arrow_to_spark,
+    check_version,
+    list_of,
+    schema_fingerprint,
+    spark_to_arrow,
+)
+from .layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
+from .tables import (
+    HISTORY_LOG,
+    MANIFEST_KEYS,
+    MANIFEST_SHARD,
+    QUARANTINE,
+    SYNTH_ACTIONS,
+    SYNTH_FAT_IMPRESSIONS,
+    SYNTH_IMPRESSIONS,
+    SYNTH_SNAPSHOT,
+    event_fields,
+    events_schema,
+    history_schema,
+    requests_schema,
+    samples_schema,
+    shard_schema,
+    sort_key,
+)
+
+FIXED_TABLES = (SYNTH_IMPRESSIONS, SYNTH_FAT_IMPRESSIONS, SYNTH_ACTIONS, QUARANTINE, HISTORY_LOG, MANIFEST_SHARD)
+
+__all__ = [n for n in dir() if not n.startswith("_")]

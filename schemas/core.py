@@ -1,0 +1,206 @@
+"""One schema definition, three forms: Arrow, Spark, Delta.
+
+A :class:`TableSchema` is a list of :class:`Field` whose types are Arrow types.
+Arrow is the reference: the Spark ``StructType`` and the Delta schema are
+derived from it, never written by hand, so the three cannot drift apart.
+Spark is imported lazily: the loader uses these schemas without a JVM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+"""Format version of every table and file this product writes.
+
+Readers refuse a higher version than they understand (see ``check_version``).
+"""
+
+
+class SchemaError(ValueError):
+    """A table or file does not have the schema this product expects."""
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: pa.DataType
+    nullable: bool = True
+    doc: str = ""
+
+    def to_arrow(self) -> pa.Field:
+        meta = {b"doc": self.doc.encode()} if self.doc else None
+        return pa.field(self.name, self.type, nullable=self.nullable, metadata=meta)
+
+
+def list_of(t: pa.DataType) -> pa.DataType:
+    """A list column: the element is never null, the list itself may be."""
+    return pa.list_(pa.field("element", t, nullable=True))
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """A named, versioned table schema.
+
+    Example::
+
+        REQ = TableSchema("t", (Field("a", pa.int64(), False),), partition_by=())
+        REQ.to_arrow(); REQ.to_spark(); REQ.to_delta()
+    """
+
+    name: str
+    fields: tuple[Field, ...]
+    partition_by: tuple[str, ...] = ()
+    doc: str = ""
+    version: int = FORMAT_VERSION
+    metadata: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        names = [f.name for f in self.fields]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise SchemaError(f"table {self.name!r}: duplicate columns {sorted(dup)}")
+        missing = [p for p in self.partition_by if p not in names]
+        if missing:
+            raise SchemaError(f"table {self.name!r}: partition columns {missing} are not fields")
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields]
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"table {self.name!r} has no column {name!r}")
+
+    def to_arrow(self) -> pa.Schema:
+        meta = {
+            b"userwise.table": self.name.encode(),
+            b"userwise.format_version": str(self.version).encode(),
+        }
+        for k, v in self.metadata.items():
+            meta[f"userwise.{k}".encode()] = json.dumps(v, sort_keys=True).encode()
+        return pa.schema([f.to_arrow() for f in self.fields], metadata=meta)
+
+    def to_spark(self):
+        from pyspark.sql import types as T
+
+        return T.StructType(
+            [T.StructField(f.name, arrow_to_spark(f.type), f.nullable) for f in self.fields]
+        )
+
+    def to_delta(self):
+        """The Delta table schema (delta-rs form), derived from Arrow."""
+        from deltalake import Schema
+
+        return Schema.from_arrow(pa.schema([f.to_arrow().remove_metadata() for f in self.fields]))
+
+    def fingerprint(self) -> str:
+        """A stable hash of names, types and nullability (not docs)."""
+        return schema_fingerprint(self.to_arrow())
+
+
+def schema_fingerprint(schema: pa.Schema) -> str:
+    """Hash of column names, types and nullability: equal iff readers see the same layout."""
+    desc = [[f.name, str(f.type), f.nullable] for f in schema]
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def arrow_to_spark(t: pa.DataType):
+    from pyspark.sql import types as T
+
+    if pa.types.is_boolean(t):
+        return T.BooleanType()
+    if pa.types.is_int8(t):
+        return T.ByteType()
+    if pa.types.is_int16(t):
+        return T.ShortType()
+    if pa.types.is_int32(t):
+        return T.IntegerType()
+    if pa.types.is_int64(t):
+        return T.LongType()
+    if pa.types.is_float32(t):
+        return T.FloatType()
+    if pa.types.is_float64(t):
+        return T.DoubleType()
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return T.StringType()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return T.BinaryType()
+    if pa.types.is_date32(t):
+        return T.DateType()
+    if pa.types.is_timestamp(t):
+        return T.TimestampType() if t.tz else T.TimestampNTZType()
+    if pa.types.is_decimal(t):
+        return T.DecimalType(t.precision, t.scale)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return T.ArrayType(arrow_to_spark(t.value_type), t.value_field.nullable)
+    if pa.types.is_struct(t):
+        return T.StructType(
+            [T.StructField(f.name, arrow_to_spark(f.type), f.nullable) for f in t]
+        )
+    if pa.types.is_map(t):
+        return T.MapType(arrow_to_spark(t.key_type), arrow_to_spark(t.item_type))
+    raise SchemaError(f"no Spark type for Arrow type {t}")
+
+
+def spark_to_arrow(dt) -> pa.DataType:
+    """Inverse of :func:`arrow_to_spark` (timestamps come back as UTC micros)."""
+    from pyspark.sql import types as T
+
+    simple = {
+        T.BooleanType: pa.bool_(),
+        T.ByteType: pa.int8(),
+        T.ShortType: pa.int16(),
+        T.IntegerType: pa.int32(),
+        T.LongType: pa.int64(),
+        T.FloatType: pa.float32(),
+        T.DoubleType: pa.float64(),
+        T.StringType: pa.string(),
+        T.BinaryType: pa.binary(),
+        T.DateType: pa.date32(),
+        T.TimestampType: pa.timestamp("us", tz="UTC"),
+        T.TimestampNTZType: pa.timestamp("us"),
+    }
+    for k, v in simple.items():
+        if isinstance(dt, k):
+            return v
+    if isinstance(dt, T.DecimalType):
+        return pa.decimal128(dt.precision, dt.scale)
+    if isinstance(dt, T.ArrayType):
+        return pa.list_(pa.field("element", spark_to_arrow(dt.elementType), dt.containsNull))
+    if isinstance(dt, T.StructType):
+        return pa.struct([pa.field(f.name, spark_to_arrow(f.dataType), f.nullable) for f in dt])
+    if isinstance(dt, T.MapType):
+        return pa.map_(spark_to_arrow(dt.keyType), spark_to_arrow(dt.valueType))
+    raise SchemaError(f"no Arrow type for Spark type {dt}")
+
+
+def check_version(found: int | str | None, what: str) -> None:
+    """Refuse data written by a newer format than this code understands."""
+    try:
+        v = int(found) if found is not None else None
+    except (TypeError, ValueError):
+        v = None
+    if v is None:
+        raise SchemaError(f"{what}: no userwise format version; was it written by userwise?")
+    if v > FORMAT_VERSION:
+        raise SchemaError(
+            f"{what}: format version {v} is newer than this reader's {FORMAT_VERSION}; upgrade userwise"
+        )
+
+
+def fields(*items: Iterable[Field] | Field) -> tuple[Field, ...]:
+    out: list[Field] = []
+    for it in items:
+        if isinstance(it, Field):
+            out.append(it)
+        else:
+            out.extend(it)
+    return tuple(out)

@@ -1,0 +1,31 @@
+"""Shared fixtures: one local Spark session for the whole suite (the JVM starts once)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import sys
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    from userwise.pipelines.spark import get_spark
+
+    wh = tmp_path_factory.mktemp("warehouse")
+    s = get_spark(
+        master="local[2]",
+        app="userwise-tests",
+        ui=False,
+        conf={
+            "spark.sql.shuffle.partitions": "4",
+            "spark.default.parallelism": "2",
+            "spark.sql.warehouse.dir": str(wh),
+            "spark.driver.memory": "3g",
+        },
+    )
+    yield s
+    s.stop()
