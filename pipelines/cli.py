@@ -163,7 +163,7 @@ COMMANDS = {
     "diagnose": ("three-step bottleneck test of the loader on one node's shards",
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "backfill": ("run the daily chain day by day over a date range, skipping published days",
-                 _backfill_args, "userwise.pipelines.daily:backfill_cli"),
+                 _backfill_args, "userwise.pipelines.backfill:cli"),
     "jars": ("fetch Delta's jars into the local cache (Spark's resolver, else Maven)",
              lambda p: None, "userwise.pipelines.jars:cli"),
 }

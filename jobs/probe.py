@@ -1,0 +1,31 @@
+"""spark-submit entry point used by the tests: prove the shipped code imports on executors.
+
+Each task imports ``userwise.schemas`` on its executor and reports the file it came
+from and the executor's host/pid; the driver prints one JSON line and writes it to
+argv[1] (a path only the driver needs to see).
+"""
+
+import json
+import sys
+
+from userwise.pipelines.spark import get_spark
+
+
+def _probe(_):
+    import os
+
+    import userwise.schemas as s
+
+    yield {"file": s.__file__, "pid": os.getpid(), "tables": len(dir(s))}
+
+
+if __name__ == "__main__":
+    spark = get_spark(app="userwise-probe")
+    sc = spark.sparkContext
+    got = sc.parallelize(range(4), 4).mapPartitions(_probe).collect()
+    out = {"master": sc.master, "executors": got,
+           "py_files_on_driver": [p for p in sys.path if p.endswith(".zip")]}
+    print(json.dumps(out))
+    with open(sys.argv[1], "w") as fh:
+        json.dump(out, fh)
+    spark.stop()
