@@ -1,0 +1,515 @@
+"""Tiny, deterministic impression logs full of edge cases, with their ground truth.
+
+Every row is written on purpose (a few random "normal" users aside, seeded), so
+each rejected row has exactly one reason and every tricky ordering case is known:
+
+- ties in action time (same request, different requests, same request time),
+  the same item twice in one request, a request at exactly the time of earlier
+  actions, an action at exactly its own request time (dwell 0);
+- empty histories, users with one request, a user who never acts;
+- a heavy user whose requests exceed ``max_sample_cost`` (chunking) and a single
+  request larger than the cap on its own;
+- late actions (acted on a later UTC day, across window and pretrain
+  boundaries, one after as-of);
+- action-log events tied with impression actions (nulls first), tied among
+  themselves (order by item, then by features), and one before all impressions;
+- every kind of bad row (see ``REASONS``) and rows at or after as-of.
+
+Reason names (the quarantine table's ``reason``) are defined here, once:
+the build is expected to use the same strings.
+
+Usage::
+
+    log = make_lean(tmp_path, actions=True)
+    log.impressions, log.actions, log.config, log.as_of, log.rejected, log.expected_uids
+    fat = make_fat(tmp_path)            # fat-row variant with odd snapshots
+    nan = make_lean(tmp_path, float_labels=True)   # `like` float64 with NaN / inf rows
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+# reason -> the column it names (None: a request-level or whole-row reason)
+REASONS = {
+    "null_user": "user_id",
+    "null_request": "request_id",
+    "null_request_time": "request_ts",
+    "null_item": "item_id",
+    "time_out_of_range": "request_ts",
+    "action_before_request": "action_ts",
+    "duplicate": None,
+    "position_conflict": "position",
+    "request_user_conflict": "user_id",
+    "request_inconsistent": None,
+    "bad_label": "like",
+    "snapshot_mismatch": None,
+}
+
+UTC = dt.timezone.utc
+DAY = 86_400_000
+SEC = 1000
+START = dt.date(2026, 3, 1)  # data: 2026-03-01 .. 2026-03-06
+AS_OF = "2026-03-06"  # the last day (03-06) is at/after as-of
+L = 6  # max_seq_len of the edge config
+MAX_COST = 40
+HEAVY_USER = 200
+
+
+def ms(d: dt.date, h: int = 0, m: int = 0, s: int = 0, milli: int = 0) -> int:
+    t = dt.datetime(d.year, d.month, d.day, h, m, s, tzinfo=UTC)
+    return int(t.timestamp()) * 1000 + milli
+
+
+def day(i: int) -> dt.date:
+    """Day i of the data, 1-based: day(1) == 2026-03-01."""
+    return START + dt.timedelta(days=i - 1)
+
+
+def date_of(ts: int) -> dt.date:
+    return dt.datetime.fromtimestamp(ts / 1000, tz=UTC).date()
+
+
+AS_OF_MS = ms(dt.date.fromisoformat(AS_OF))
+
+IMP_FIELDS = [
+    ("user_id", pa.int64()), ("request_id", pa.string()), ("request_ts", pa.int64()),
+    ("action_ts", pa.int64()), ("item_id", pa.int64()), ("position", pa.int32()),
+    ("click", pa.int8()), ("like", pa.int8()), ("category", pa.int32()), ("author", pa.int64()),
+    ("device", pa.string()), ("hour", pa.int8()), ("age_bucket", pa.int8()), ("country", pa.string()),
+    ("score", pa.float32()),
+]
+SNAP_FIELDS = [("hist_item_id", pa.int64()), ("hist_ts", pa.int64()), ("hist_category", pa.int32())]
+ACT_FIELDS = [("uid", pa.int64()), ("iid", pa.int64()), ("ts", pa.int64()), ("bits", pa.int64()),
+              ("cat", pa.int32()), ("auth", pa.int64())]
+
+
+def cat_of(item: int) -> int:
+    return item % 7
+
+
+def auth_of(item: int) -> int:
+    return 1000 + item // 3
+
+
+def lean_config(actions: bool = False, **over) -> dict:
+    cfg = {
+        "columns": {
+            "user": "user_id", "request": "request_id", "request_time": "request_ts",
+            "action_time": "action_ts", "item": "item_id", "position": "position",
+            "labels": ["click", "like"], "item_features": ["category", "author"],
+            "context_features": ["device", "hour"], "user_features": ["age_bucket", "country"],
+        },
+        "time_unit": "ms", "max_seq_len": L, "history_length": 2 * L, "max_sample_cost": MAX_COST,
+        "max_quarantine_share": 0.5,
+    }
+    if actions:
+        cfg["columns"]["actions"] = {"user": "uid", "item": "iid", "time": "ts", "labels": "bits",
+                                     "item_features": ["cat", "auth"]}
+    cfg.update(over)
+    return cfg
+
+
+def fat_config(**over) -> dict:
+    cfg = lean_config(**over)
+    cfg["columns"]["sequence"] = {"item": "hist_item_id", "time": "hist_ts", "category": "hist_category"}
+    return cfg
+
+
+@dataclass
+class EdgeLog:
+    """Paths, config and ground truth of one generated log."""
+
+    root: Path
+    impressions: str
+    actions: str | None
+    config: dict
+    as_of: str
+    rejected: dict[int, str]  # row_uid -> reason; duplicates: uid of the extra copies (one copy is kept)
+    quarantined: list[tuple[int, str]]  # one entry per quarantined input row (a multiset)
+    expected_uids: set[int]  # row_uids expected in samples (request time < as_of, accepted)
+    after_as_of_uids: set[int]
+    rows_read: int
+    rejected_actions: list[tuple[dict, str]] = field(default_factory=list)  # (whole row, reason)
+    planted: dict = field(default_factory=dict)  # counts the report should show (fat: overrides, ...)
+    heavy_user: int = HEAVY_USER
+    fat: bool = False
+
+    @property
+    def dropped_uids(self) -> set[int]:
+        """row_uids with no copy left in samples."""
+        return set(self.rejected) - self.expected_uids
+
+    def quarantine_counts(self) -> dict[str, int]:
+        return dict(Counter(r for _, r in self.quarantined))
+
+
+class _Log:
+    """Accumulates rows; every row gets a fresh row_uid unless it is an exact copy."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.bad: list[tuple[int, str]] = []  # (uid, reason) per quarantined row
+        self.next_uid = 1
+        self.actions: list[dict] = []
+        self.bad_actions: list[tuple[dict, str]] = []
+
+    def imp(self, user, rid, rts, item, pos, click=0, like=0, dwell=1500, *, ats=None, device="ios",
+            hour=None, age=3, country="DE", score=0.5, date=None, reason=None):
+        row = {
+            "user_id": user, "request_id": rid, "request_ts": rts,
+            "action_ts": ats if ats is not None else (rts + dwell if rts is not None else None),
+            "item_id": item, "position": pos, "click": click, "like": like,
+            "category": cat_of(item) if item is not None else 3,
+            "author": auth_of(item) if item is not None else 1000,
+            "device": device,
+            "hour": hour if hour is not None else ((rts // 3_600_000) % 24 if rts is not None else 0),
+            "age_bucket": age, "country": country, "score": score,
+            "row_uid": self.next_uid,
+            "date": date or (date_of(rts) if rts is not None else day(2)),
+        }
+        self.next_uid += 1
+        self.rows.append(row)
+        if reason:
+            self.bad.append((row["row_uid"], reason))
+        return row
+
+    def request(self, user, rid, rts, items, **kw):
+        """items: list of (item, click, like, dwell); positions 0.."""
+        return [self.imp(user, rid, rts, it, p, c, lk, dw, **kw) for p, (it, c, lk, dw) in enumerate(items)]
+
+    def copy(self, row, reason="duplicate"):
+        r = dict(row)
+        self.rows.append(r)
+        self.bad.append((r["row_uid"], reason))
+
+    def act(self, uid, iid, ts, bits, cat=None, auth=None, reason=None):
+        row = {"uid": uid, "iid": iid, "ts": ts, "bits": bits,
+               "cat": cat if cat is not None else (cat_of(iid) if iid is not None else 0),
+               "auth": auth if auth is not None else (auth_of(iid) if iid is not None else 1000),
+               "date": date_of(ts) if ts is not None else day(2)}
+        self.actions.append(row)
+        if reason:
+            self.bad_actions.append((row, reason))
+
+
+def _normal_users(g: _Log, rng: random.Random) -> None:
+    devices = ["ios", "android", "web"]
+    for u in range(1, 25):
+        n_req = rng.randint(1, 5)
+        age, country = rng.randint(1, 6), rng.choice(["DE", "FR", "US"])
+        for k in range(n_req):
+            d = day(rng.randint(1, 6))
+            rts = ms(d, rng.randint(0, 23), rng.randint(0, 59), rng.randint(0, 59), rng.randint(0, 999))
+            items = []
+            for _ in range(rng.randint(1, 3)):
+                c = int(rng.random() < 0.4)
+                lk = int(rng.random() < 0.15)
+                items.append((rng.randint(100, 160), c, lk, rng.randint(0, 60) * SEC))
+            score = rng.choice([0.25, 0.5, None, float("nan")])
+            g.request(u, f"u{u}-{k}", rts, items, device=rng.choice(devices), age=age, country=country,
+                      score=score)
+    # one request only; and a user who never acts
+    g.request(100, "one-100", ms(day(3), 8), [(101, 1, 0, 2 * SEC)])
+    for k in range(3):
+        g.request(101, f"never-{k}", ms(day(k + 1), 9), [(102, 0, 0, 0), (103, 0, 0, 0)])
+
+
+def _heavy_user(g: _Log, rng: random.Random) -> None:
+    u = HEAVY_USER
+    for k in range(30):
+        d = day(1 + k % 5)
+        rts = ms(d, 6 + k // 5, (k * 7) % 60, k % 60)
+        items = [(rng.randint(100, 160), int(rng.random() < 0.6), int(rng.random() < 0.2), (k % 4) * SEC)
+                 for _ in range(3)]
+        g.request(u, f"h-{k:02d}", rts, items, device="web", age=2, country="US")
+    # one request bigger than max_sample_cost on its own: a chunk of a single request
+    g.request(u, "h-big", ms(day(4), 20), [(100 + i % 60, int(i % 5 == 0), 0, SEC) for i in range(45)],
+              device="web", age=2, country="US")
+    # at / after as-of
+    g.request(u, "h-late", ms(day(6), 1), [(150, 1, 1, SEC)], device="web", age=2, country="US")
+
+
+def _ties_user(g: _Log) -> None:
+    u = 300
+    g.request(u, "t-first", ms(day(1), 7), [(20, 0, 0, 0)])  # empty history
+    t0 = ms(day(2), 10)
+    # four actions at t0+5s in one request: ordered by position; item 11 twice
+    g.request(u, "t-b", t0, [(11, 1, 0, 5 * SEC), (12, 1, 0, 5 * SEC), (11, 1, 0, 5 * SEC), (13, 0, 1, 5 * SEC)])
+    # same action time, later request time; two requests at the same time ordered by request id
+    g.request(u, "t-c", t0 + SEC, [(15, 1, 0, 4 * SEC)])
+    g.request(u, "t-a", t0 + SEC, [(14, 1, 1, 4 * SEC)])
+    # requests at exactly the time of those actions: see none of them; dwell 0: an action at its own time
+    g.request(u, "t-d", t0 + 5 * SEC, [(16, 1, 0, 0)])
+    g.request(u, "t-e", t0 + 5 * SEC, [(17, 0, 0, 0)])
+    # one ms later: sees everything (8 events > L: the oldest are cut)
+    g.request(u, "t-f", t0 + 5 * SEC + 1, [(18, 0, 0, 0), (19, 1, 0, 0)])
+    g.request(u, "t-g", ms(day(5), 10), [(21, 0, 0, 0)])
+    # action-log events tied with the impression actions at t0+5s (null request fields: first),
+    # tied among themselves (by item, then features), and one before all impressions
+    g.act(u, 17, t0 + 5 * SEC, 1, cat=2)
+    g.act(u, 17, t0 + 5 * SEC, 1, cat=1)
+    g.act(u, 9, t0 + 5 * SEC, 2)
+    g.act(u, 8, ms(dt.date(2026, 2, 27), 12), 3)
+    g.act(u, 22, t0 + 5 * SEC + 1, 1)  # at exactly t-f's request time: not visible to t-f
+
+
+def _late_user(g: _Log) -> None:
+    u = 301
+    g.request(u, "l-1", ms(day(1), 23, 59), [(30, 1, 0, 90 * SEC)])  # acted 2026-03-02 00:00:30
+    g.request(u, "l-2", ms(day(2), 0, 0, 30), [(31, 0, 0, 0)])  # exactly then: not visible
+    g.request(u, "l-3", ms(day(2), 0, 0, 31), [(32, 0, 0, 0)])  # sees it
+    g.request(u, "l-4", ms(day(2), 23, 59, 59), [(33, 0, 1, 0)], ats=ms(day(4), 0, 0, 1))  # liked 2 days later
+    g.request(u, "l-5", ms(day(3), 12), [(34, 1, 0, 3 * SEC)])
+    g.request(u, "l-6", ms(day(4), 0, 0, 1), [(35, 0, 0, 0)])  # at the late like's time: not visible
+    g.request(u, "l-7", ms(day(4), 0, 0, 2), [(36, 0, 0, 0)])
+    g.request(u, "l-8", AS_OF_MS - 1, [(37, 1, 0, 5 * SEC)])  # last ms before as-of; acted after as-of
+    g.request(u, "l-9", AS_OF_MS, [(38, 1, 0, 0)])  # exactly as-of: left for later
+    g.request(u, "l-10", AS_OF_MS + 12 * 3_600_000, [(39, 1, 0, 0)])
+    g.act(u, 40, AS_OF_MS + 1, 1)
+
+
+def _fat_users(g: _Log) -> None:
+    # single-impression requests, each clicked 2s later: the fat variant edits some snapshots
+    u = 302
+    base = ms(day(3), 9)
+    for k in range(12):
+        g.request(u, f"f-{k:02d}", base + k * 600 * SEC, [(50 + k, 1, 0, 2 * SEC)], device="android")
+    g.request(u, "f-12", base + 12 * 600 * SEC, [(70, 1, 0, SEC), (71, 0, 0, 0), (72, 1, 0, SEC)],
+              device="android")
+    for k in (13, 14):
+        g.request(u, f"f-{k}", base + k * 600 * SEC, [(60 + k, 1, 0, 2 * SEC)], device="android")
+    u = 303
+    for k in range(5):
+        g.request(u, f"e-{k}", ms(day(2), 15, k), [(80 + k, 1, 0, SEC)])
+
+
+def _bad_rows(g: _Log) -> None:
+    t = ms(day(2), 14)
+    g.request(None, "b-nulluser", t, [(110, 1, 0, SEC)], reason="null_user")
+    g.request(401, "g401-1", t - 3_600_000, [(111, 1, 0, SEC)])
+    g.imp(401, None, t, 112, 0, 1, 0, SEC, reason="null_request")
+    g.imp(401, "b-nullts", None, 113, 0, 1, 0, ats=t, date=day(2), reason="null_request_time")
+    g.request(401, "g401-2", t + 3_600_000, [(114, 0, 0, 0)])
+    # null item and an action before its request, inside otherwise good requests
+    g.imp(402, "g402-1", t, 115, 0, 1, 0, SEC)
+    g.imp(402, "g402-1", t, None, 1, 1, 0, SEC, reason="null_item")
+    g.imp(402, "g402-1", t, 116, 2, 0, 0)
+    g.imp(402, "g402-2", t + 60 * SEC, 117, 0, 1, 0, SEC)
+    g.imp(402, "g402-2", t + 60 * SEC, 118, 1, 1, 0, ats=t + 59 * SEC, reason="action_before_request")
+    g.request(402, "g402-3", t + 3_600_000, [(119, 0, 0, 0)])
+    # request time outside the sane range (year < 2000)
+    old = ms(dt.date(1999, 12, 31), 12)
+    g.request(403, "b-1999", old, [(120, 1, 0, SEC), (121, 1, 1, SEC)], reason="time_out_of_range")
+    g.request(403, "g403-1", t, [(122, 0, 0, 0)])
+    # exact duplicates: one copy kept, the extra copies quarantined (a clicked row: one event, not three)
+    a = g.imp(404, "g404-1", t, 123, 0, 1, 0, SEC)
+    b = g.imp(404, "g404-1", t, 124, 1, 0, 0, 0)
+    g.copy(a), g.copy(a), g.copy(b)
+    g.request(404, "g404-2", t + 600 * SEC, [(125, 0, 0, 0)])
+    # two different rows at one (request, position): both out; the rest of the request stays
+    g.imp(405, "g405-1", t, 126, 0, 1, 0, SEC)
+    g.imp(405, "g405-1", t, 127, 1, 1, 0, SEC, reason="position_conflict")
+    g.imp(405, "g405-1", t, 128, 1, 0, 0, SEC, reason="position_conflict")
+    g.imp(405, "g405-1", t, 129, 2, 0, 0, 0)
+    g.request(405, "g405-2", t + 600 * SEC, [(130, 0, 0, 0)])
+    # one request id, two users: the whole request out
+    g.imp(406, "b-shared", t, 131, 0, 1, 0, SEC, reason="request_user_conflict")
+    g.imp(407, "b-shared", t, 132, 1, 1, 0, SEC, reason="request_user_conflict")
+    g.request(406, "g406-1", t + 600 * SEC, [(133, 0, 0, 0)])
+    g.request(407, "g407-1", t + 600 * SEC, [(134, 0, 0, 0)])
+    # rows of one request disagreeing on a request-level column: the whole request out
+    base = dict(device="ios", hour=14, age=3, country="DE")
+    for k, (col, other) in enumerate([("rts", None), ("device", "web"), ("hour", 15), ("age", 4),
+                                      ("country", "FR")]):
+        rid, rts = f"b-incons-{k}", t + k * 60 * SEC
+        g.imp(408, rid, rts, 135 + k, 0, 1, 0, SEC, reason="request_inconsistent", **base)
+        kw = dict(base)
+        if col != "rts":
+            kw[col] = other
+        g.imp(408, rid, rts + (SEC if col == "rts" else 0), 140 + k, 1, 1, 0, SEC,
+              reason="request_inconsistent", **kw)
+    g.request(408, "g408-1", t + 3_600_000, [(145, 0, 0, 0)])
+
+
+def _bad_actions(g: _Log) -> None:
+    t = ms(day(2), 13)
+    g.act(None, 150, t, 1, reason="null_user")
+    g.act(402, None, t, 1, reason="null_item")
+    g.act(402, 151, ms(dt.date(1999, 6, 1)), 1, reason="time_out_of_range")
+    g.act(402, 152, t, 2)  # a good one
+
+
+def _float_label_rows(g: _Log) -> None:
+    t = ms(day(3), 14)
+    g.imp(409, "b-nan", t, 155, 0, 1, float("nan"), SEC, reason="bad_label")
+    g.imp(409, "g409-1", t + 60 * SEC, 156, 0, 1, 0, SEC)
+    g.imp(409, "g409-1", t + 60 * SEC, 157, 1, 1, float("inf"), SEC, reason="bad_label")
+    g.imp(409, "g409-2", t + 120 * SEC, 158, 0, 0, float("-inf"), 0, reason="bad_label")
+    g.request(409, "g409-3", t + 3_600_000, [(159, 0, 1.0, 0)])
+
+
+def _generate(float_labels: bool = False, seed: int = 7) -> _Log:
+    g = _Log()
+    rng = random.Random(seed)
+    _normal_users(g, rng)
+    _heavy_user(g, rng)
+    _ties_user(g)
+    _late_user(g)
+    _fat_users(g)
+    _bad_rows(g)
+    _bad_actions(g)
+    if float_labels:
+        _float_label_rows(g)
+    return g
+
+
+# --------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------
+def _write(rows: list[dict], fields, path: Path) -> str:
+    arrays = [pa.array([r[n] for r in rows], type=t) for n, t in fields]
+    arrays.append(pa.array([r["date"].isoformat() for r in rows], type=pa.string()))
+    schema = pa.schema([pa.field(n, t, nullable=(n != "row_uid")) for n, t in fields]
+                       + [pa.field("date", pa.string())])
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    part = ds.partitioning(pa.schema([pa.field("date", pa.string())]), flavor="hive")
+    ds.write_dataset(table, str(path), format="parquet", partitioning=part,
+                     existing_data_behavior="overwrite_or_ignore", basename_template="part-{i}.parquet")
+    return str(path)
+
+
+def _imp_fields(float_labels: bool, fat: bool):
+    f = [(n, pa.float64() if (n == "like" and float_labels) else t) for n, t in IMP_FIELDS]
+    f.append(("row_uid", pa.int64()))
+    if fat:
+        f += [(n, pa.list_(pa.field("element", t, nullable=True))) for n, t in SNAP_FIELDS]
+    return f
+
+
+def _truth(g: _Log):
+    bad = dict(g.bad)  # uid -> reason
+    dup_uids = {u for u, r in g.bad if r == "duplicate"}
+    expected, after = set(), set()
+    for r in g.rows:
+        u = r["row_uid"]
+        if u in bad and u not in dup_uids:
+            continue
+        (expected if r["request_ts"] < AS_OF_MS else after).add(u)
+    return bad, expected, after
+
+
+def make_lean(root, *, actions: bool = False, float_labels: bool = False, **cfg_over) -> EdgeLog:
+    root = Path(root)
+    g = _generate(float_labels)
+    rows = [dict(r) for r in g.rows]
+    if float_labels:
+        for r in rows:
+            r["like"] = float(r["like"])
+    imp = _write(rows, _imp_fields(float_labels, False), root / "lean")
+    act = _write(g.actions, ACT_FIELDS, root / "actions") if actions else None
+    bad, expected, after = _truth(g)
+    return EdgeLog(
+        root=root, impressions=imp, actions=act, config=lean_config(actions, **cfg_over), as_of=AS_OF,
+        rejected=bad, quarantined=list(g.bad), expected_uids=expected, after_as_of_uids=after,
+        rows_read=len(rows), rejected_actions=list(g.bad_actions) if actions else [],
+    )
+
+
+# --------------------------------------------------------------------------
+# fat rows: the clean log with the legacy snapshot per impression
+# --------------------------------------------------------------------------
+def _streams(rows: list[dict]) -> dict:
+    """user -> events (action_ts, request_ts, request_id, position, item, bits, category) in stream order."""
+    out: dict = {}
+    for r in rows:
+        bits = (1 if r["click"] > 0 else 0) | (2 if r["like"] > 0 else 0)
+        if bits:
+            out.setdefault(r["user_id"], []).append(
+                (r["action_ts"], r["request_ts"], r["request_id"], r["position"], r["item_id"], bits,
+                 r["category"]))
+    for ev in out.values():
+        ev.sort()
+    return out
+
+
+def _snap(events, upto_excl: int, cut: int, inclusive: bool = False):
+    seen = [e for e in events if (e[0] <= upto_excl if inclusive else e[0] < upto_excl)]
+    seen = seen[len(seen) - cut:] if cut else []
+    return seen
+
+
+def make_fat(root, **cfg_over) -> EdgeLog:
+    """The clean lean log (accepted rows, one copy of duplicates, rows after as-of kept) with
+    snapshots hist_item_id / hist_ts / hist_category: the last L actions strictly before the
+    request time, oldest first. Odd ones (single-impression requests of user 302/303):
+    f-04 leaks (holds its own click), f-08 is edited (an event removed from the middle: an
+    override), f-06 is null, e-03 is an empty list despite a history, user 301 and f-10 use a
+    cut-off of 3; f-12's impressions carry different snapshots (snapshot_mismatch)."""
+    root = Path(root)
+    g = _generate(False)
+    bad = dict(g.bad)
+    seen_uid = set()
+    rows = []
+    for r in g.rows:
+        u = r["row_uid"]
+        if u in bad and bad[u] != "duplicate":
+            continue
+        if u in seen_uid:
+            continue
+        seen_uid.add(u)
+        rows.append(dict(r))
+    streams = _streams(rows)
+    mismatch: dict[int, str] = {}
+    for r in rows:
+        ev = streams.get(r["user_id"], [])
+        rid = r["request_id"]
+        cut = 3 if (r["user_id"] == 301 or rid == "f-10") else L
+        snap = _snap(ev, r["request_ts"], cut)
+        if rid == "f-04":
+            snap = _snap(ev, r["action_ts"], L, inclusive=True)  # leaks its own click
+            assert snap and snap[-1][0] >= r["request_ts"]
+        elif rid == "f-08":
+            assert len(snap) == L
+            snap = snap[:2] + snap[3:]
+        elif rid == "e-3":
+            assert snap
+            snap = []
+        elif rid == "f-12" and r["position"] == 2:
+            snap = snap[1:]
+            mismatch[r["row_uid"]] = "snapshot_mismatch"
+        if rid == "f-06":
+            r["hist_item_id"] = r["hist_ts"] = r["hist_category"] = None
+        else:
+            r["hist_item_id"] = [e[4] for e in snap]
+            r["hist_ts"] = [e[0] for e in snap]
+            r["hist_category"] = [e[6] for e in snap]
+    for r in rows:
+        if r["request_id"] == "f-12":
+            mismatch[r["row_uid"]] = "snapshot_mismatch"
+    path = _write(rows, _imp_fields(False, True), root / "fat")
+    expected, after = set(), set()
+    for r in rows:
+        if r["row_uid"] in mismatch:
+            continue
+        (expected if r["request_ts"] < AS_OF_MS else after).add(r["row_uid"])
+    return EdgeLog(
+        root=root, impressions=path, actions=None, config=fat_config(**cfg_over), as_of=AS_OF,
+        rejected=mismatch, quarantined=sorted(mismatch.items()), expected_uids=expected,
+        after_as_of_uids=after, rows_read=len(rows),
+        planted={"overrides": 1, "leaking_snapshots": 1, "null_snapshots": 1}, fat=True,
+    )
+
+
+def write_config(cfg: dict, path) -> str:
+    """YAML is a superset of JSON: the config dict written as JSON is valid YAML."""
+    Path(path).write_text(json.dumps(cfg, indent=1))
+    return str(path)
