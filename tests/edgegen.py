@@ -293,68 +293,70 @@ def _fat_users(g: _Log) -> None:
 
 
 def _bad_rows(g: _Log) -> None:
+    # items 510.. are used by no other user: a leaked bad row shows up in a sequence
     t = ms(day(2), 14)
-    g.request(None, "b-nulluser", t, [(110, 1, 0, SEC)], reason="null_user")
-    g.request(401, "g401-1", t - 3_600_000, [(111, 1, 0, SEC)])
-    g.imp(401, None, t, 112, 0, 1, 0, SEC, reason="null_request")
-    g.imp(401, "b-nullts", None, 113, 0, 1, 0, ats=t, date=day(2), reason="null_request_time")
-    g.request(401, "g401-2", t + 3_600_000, [(114, 0, 0, 0)])
+    g.request(None, "b-nulluser", t, [(510, 1, 0, SEC)], reason="null_user")
+    g.request(401, "g401-1", t - 3_600_000, [(511, 1, 0, SEC)])
+    g.imp(401, None, t, 512, 0, 1, 0, SEC, reason="null_request")
+    g.imp(401, "b-nullts", None, 513, 0, 1, 0, ats=t, date=day(2), reason="null_request_time")
+    g.request(401, "g401-2", t + 3_600_000, [(514, 0, 0, 0)])
     # null item and an action before its request, inside otherwise good requests
-    g.imp(402, "g402-1", t, 115, 0, 1, 0, SEC)
+    g.imp(402, "g402-1", t, 515, 0, 1, 0, SEC)
     g.imp(402, "g402-1", t, None, 1, 1, 0, SEC, reason="null_item")
-    g.imp(402, "g402-1", t, 116, 2, 0, 0)
-    g.imp(402, "g402-2", t + 60 * SEC, 117, 0, 1, 0, SEC)
-    g.imp(402, "g402-2", t + 60 * SEC, 118, 1, 1, 0, ats=t + 59 * SEC, reason="action_before_request")
-    g.request(402, "g402-3", t + 3_600_000, [(119, 0, 0, 0)])
+    g.imp(402, "g402-1", t, 516, 2, 0, 0)
+    g.imp(402, "g402-2", t + 60 * SEC, 517, 0, 1, 0, SEC)
+    g.imp(402, "g402-2", t + 60 * SEC, 518, 1, 1, 0, ats=t + 59 * SEC, reason="action_before_request")
+    g.request(402, "g402-3", t + 3_600_000, [(519, 0, 0, 0)])
     # request time outside the sane range (year < 2000)
     old = ms(dt.date(1999, 12, 31), 12)
-    g.request(403, "b-1999", old, [(120, 1, 0, SEC), (121, 1, 1, SEC)], reason="time_out_of_range")
-    g.request(403, "g403-1", t, [(122, 0, 0, 0)])
+    g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason="time_out_of_range")
+    g.request(403, "g403-1", t, [(522, 0, 0, 0)])
     # exact duplicates: one copy kept, the extra copies quarantined (a clicked row: one event, not three)
-    a = g.imp(404, "g404-1", t, 123, 0, 1, 0, SEC)
-    b = g.imp(404, "g404-1", t, 124, 1, 0, 0, 0)
-    g.copy(a), g.copy(a), g.copy(b)
-    g.request(404, "g404-2", t + 600 * SEC, [(125, 0, 0, 0)])
+    a = g.imp(404, "g404-1", t, 523, 0, 1, 0, SEC)
+    b = g.imp(404, "g404-1", t, 524, 1, 0, 0, 0)
+    for row in (a, a, b):
+        g.copy(row)
+    g.request(404, "g404-2", t + 600 * SEC, [(525, 0, 0, 0)])
     # two different rows at one (request, position): both out; the rest of the request stays
-    g.imp(405, "g405-1", t, 126, 0, 1, 0, SEC)
-    g.imp(405, "g405-1", t, 127, 1, 1, 0, SEC, reason="position_conflict")
-    g.imp(405, "g405-1", t, 128, 1, 0, 0, SEC, reason="position_conflict")
-    g.imp(405, "g405-1", t, 129, 2, 0, 0, 0)
-    g.request(405, "g405-2", t + 600 * SEC, [(130, 0, 0, 0)])
+    g.imp(405, "g405-1", t, 526, 0, 1, 0, SEC)
+    g.imp(405, "g405-1", t, 527, 1, 1, 0, SEC, reason="position_conflict")
+    g.imp(405, "g405-1", t, 528, 1, 0, 0, SEC, reason="position_conflict")
+    g.imp(405, "g405-1", t, 529, 2, 0, 0, 0)
+    g.request(405, "g405-2", t + 600 * SEC, [(530, 0, 0, 0)])
     # one request id, two users: the whole request out
-    g.imp(406, "b-shared", t, 131, 0, 1, 0, SEC, reason="request_user_conflict")
-    g.imp(407, "b-shared", t, 132, 1, 1, 0, SEC, reason="request_user_conflict")
-    g.request(406, "g406-1", t + 600 * SEC, [(133, 0, 0, 0)])
-    g.request(407, "g407-1", t + 600 * SEC, [(134, 0, 0, 0)])
+    g.imp(406, "b-shared", t, 531, 0, 1, 0, SEC, reason="request_user_conflict")
+    g.imp(407, "b-shared", t, 532, 1, 1, 0, SEC, reason="request_user_conflict")
+    g.request(406, "g406-1", t + 600 * SEC, [(533, 0, 0, 0)])
+    g.request(407, "g407-1", t + 600 * SEC, [(534, 0, 0, 0)])
     # rows of one request disagreeing on a request-level column: the whole request out
     base = dict(device="ios", hour=14, age=3, country="DE")
     for k, (col, other) in enumerate([("rts", None), ("device", "web"), ("hour", 15), ("age", 4),
                                       ("country", "FR")]):
         rid, rts = f"b-incons-{k}", t + k * 60 * SEC
-        g.imp(408, rid, rts, 135 + k, 0, 1, 0, SEC, reason="request_inconsistent", **base)
+        g.imp(408, rid, rts, 535 + k, 0, 1, 0, SEC, reason="request_inconsistent", **base)
         kw = dict(base)
         if col != "rts":
             kw[col] = other
-        g.imp(408, rid, rts + (SEC if col == "rts" else 0), 140 + k, 1, 1, 0, SEC,
+        g.imp(408, rid, rts + (SEC if col == "rts" else 0), 540 + k, 1, 1, 0, SEC,
               reason="request_inconsistent", **kw)
-    g.request(408, "g408-1", t + 3_600_000, [(145, 0, 0, 0)])
+    g.request(408, "g408-1", t + 3_600_000, [(545, 0, 0, 0)])
 
 
 def _bad_actions(g: _Log) -> None:
     t = ms(day(2), 13)
-    g.act(None, 150, t, 1, reason="null_user")
+    g.act(None, 550, t, 1, reason="null_user")
     g.act(402, None, t, 1, reason="null_item")
-    g.act(402, 151, ms(dt.date(1999, 6, 1)), 1, reason="time_out_of_range")
-    g.act(402, 152, t, 2)  # a good one
+    g.act(402, 551, ms(dt.date(1999, 6, 1)), 1, reason="time_out_of_range")
+    g.act(402, 552, t, 2)  # a good one
 
 
 def _float_label_rows(g: _Log) -> None:
     t = ms(day(3), 14)
-    g.imp(409, "b-nan", t, 155, 0, 1, float("nan"), SEC, reason="bad_label")
-    g.imp(409, "g409-1", t + 60 * SEC, 156, 0, 1, 0, SEC)
-    g.imp(409, "g409-1", t + 60 * SEC, 157, 1, 1, float("inf"), SEC, reason="bad_label")
-    g.imp(409, "g409-2", t + 120 * SEC, 158, 0, 0, float("-inf"), 0, reason="bad_label")
-    g.request(409, "g409-3", t + 3_600_000, [(159, 0, 1.0, 0)])
+    g.imp(409, "b-nan", t, 555, 0, 1, float("nan"), SEC, reason="bad_label")
+    g.imp(409, "g409-1", t + 60 * SEC, 556, 0, 1, 0, SEC)
+    g.imp(409, "g409-1", t + 60 * SEC, 557, 1, 1, float("inf"), SEC, reason="bad_label")
+    g.imp(409, "g409-2", t + 120 * SEC, 558, 0, 0, float("-inf"), 0, reason="bad_label")
+    g.request(409, "g409-3", t + 3_600_000, [(559, 0, 1.0, 0)])
 
 
 def _generate(float_labels: bool = False, seed: int = 7) -> _Log:
@@ -443,7 +445,7 @@ def _streams(rows: list[dict]) -> dict:
 
 def _snap(events, upto_excl: int, cut: int, inclusive: bool = False):
     seen = [e for e in events if (e[0] <= upto_excl if inclusive else e[0] < upto_excl)]
-    seen = seen[len(seen) - cut:] if cut else []
+    seen = seen[max(0, len(seen) - cut):] if cut else []
     return seen
 
 
