@@ -1,0 +1,292 @@
+"""The jagged batch: the user-wise structure of several samples in one buffer.
+
+A :class:`JaggedBatch` is one contiguous ``uint8`` tensor plus a small
+layout header (name, dtype, byte offset, element count per array), so it
+crosses process boundaries, gets pinned and copied to the device in one
+piece. Arrays (all flat, batch-relative):
+
+per sample (``B`` samples)
+    every scalar column (``sample_id``, ``user``, ``seq_len``, ``cost`` ...),
+    ``seq.offsets`` (B+1): sample i's stored sequence is ``seq_<f>[seq.offsets[i]:seq.offsets[i+1]]``,
+    ``seq_<field>``: the sequence values of each field (parallel).
+per request (``R`` requests)
+    ``req.offsets`` (B+1) into the request arrays; ``req_seq_begin`` / ``req_seq_end``
+    (sample-relative, as stored: request r sees its sample's seq[begin:end]);
+    ``req_time``, ``req_num_imps``, ``req__<col>`` (context, user features);
+    ``req.sample`` (R): the sample index of each request.
+per impression (``N`` impressions)
+    ``imp.offsets`` (B+1); ``imp__<col>`` (item, side-info, labels...);
+    ``imp.req`` (N): the batch-level index of its request.
+strings
+    ``<col>`` holds utf-8 bytes and ``<col>.soff`` int64 offsets per string.
+nulls
+    ``<col>.valid`` (uint8, 1 = valid) only where a column has null elements;
+    null values read as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["JaggedBatch", "expand_batch"]
+
+ALIGN = 64
+
+_TORCH = {
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
+    "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+}
+
+
+def torch_dtype(np_dtype) -> torch.dtype:
+    return _TORCH[np.dtype(np_dtype).name]
+
+
+def dtype_name(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+@dataclass
+class JaggedBatch:
+    """One batch of user-wise samples (see module doc for the arrays).
+
+    Attributes: ``buffer`` (uint8 tensor holding every array), ``spec``
+    (tuple of ``(name, dtype, byte_offset, numel)``), ``meta`` (dict:
+    ``set`` id, ``epoch``, ``index`` in the epoch, ``num_samples``,
+    ``columns``: name -> (group, arrow element type)).
+
+    Example::
+
+        b = next(iter(loader))
+        items = b["seq_item"]; offs = b["seq.offsets"]      # jagged sequence
+        imp_req = b["imp.req"]; ends = b["req_seq_end"]     # impression -> request -> history
+        b = b.pin_memory().to("cuda", non_blocking=True)
+    """
+
+    buffer: torch.Tensor
+    spec: tuple
+    meta: dict
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # -- arrays ----------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._views.get(name)
+        if v is None:
+            for n, dt, off, numel in self.spec:
+                if n == name:
+                    t = _TORCH[dt]
+                    size = torch.empty((), dtype=t).element_size()
+                    v = self.buffer[off: off + numel * size].view(t)
+                    self._views[name] = v
+                    break
+            else:
+                raise KeyError(f"batch has no array {name!r}; it has {sorted(self.keys())}")
+        return v
+
+    def __contains__(self, name: str) -> bool:
+        return any(n == name for n, *_ in self.spec)
+
+    def keys(self) -> list[str]:
+        return [n for n, *_ in self.spec]
+
+    def numpy(self, name: str) -> np.ndarray:
+        return self[name].cpu().numpy()
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.meta["num_samples"])
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.spec_numel("req.sample"))
+
+    @property
+    def num_impressions(self) -> int:
+        return int(self.spec_numel("imp.req"))
+
+    @property
+    def num_events(self) -> int:
+        return int(self.spec_numel("seq.offsets") and self._last("seq.offsets"))
+
+    def _last(self, name):
+        return int(self[name][-1].item()) if self.spec_numel(name) else 0
+
+    def spec_numel(self, name: str) -> int:
+        for n, _, _, numel in self.spec:
+            if n == name:
+                return numel
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def seq_fields(self) -> list[str]:
+        return [n for n, (g, _) in self.meta["columns"].items() if g == "seq"]
+
+    # -- memory --------------------------------------------------------------
+    def _with(self, buf: torch.Tensor) -> "JaggedBatch":
+        return JaggedBatch(buf, self.spec, self.meta)
+
+    def to(self, device, non_blocking: bool = False) -> "JaggedBatch":
+        """One copy of the whole buffer (asynchronous from pinned memory with non_blocking)."""
+        device = torch.device(device)
+        if self.buffer.device == device:
+            return self
+        return self._with(self.buffer.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self, device=None) -> "JaggedBatch":
+        """Pinned copy (raises without an accelerator, as torch does)."""
+        if self.buffer.is_pinned():
+            return self
+        return self._with(self.buffer.pin_memory())
+
+    def is_pinned(self) -> bool:
+        return bool(self.buffer.is_pinned())
+
+    def record_stream(self, stream) -> "JaggedBatch":
+        """Mark the buffer as used on ``stream`` (CUDA), so the allocator does not reuse it early."""
+        if self.buffer.is_cuda:
+            self.buffer.record_stream(stream)
+        return self
+
+    def to_kjt(self, keys=None, *, per: str = "sample"):
+        """A TorchRec ``KeyedJaggedTensor`` (values int64, lengths key-major).
+
+        ``keys``: list columns (``seq_item``, ``imp__item_id``, ``req__hour`` ...);
+        default: every numeric sequence field. ``per="sample"``: one bag per
+        (key, sample); ``per="request"``: for sequence keys, one bag per (key,
+        request) holding the history that request sees (seq[begin:end]).
+        """
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        cols = self.meta["columns"]
+        keys = list(keys) if keys is not None else [k for k in self.seq_fields() if cols[k][1] not in _STRINGY]
+        vals, lens = [], []
+        for k in keys:
+            group, typ = cols[k]
+            if typ in _STRINGY:
+                raise ValueError(f"{k!r} is a string column; a KeyedJaggedTensor needs integer ids")
+            v = self[k].long()
+            if per == "request":
+                if group != "seq":
+                    raise ValueError(f"per='request' needs sequence keys, {k!r} is per {group}")
+                so = self["seq.offsets"].long()
+                base = so[self["req.sample"].long()]
+                b = base + self["req_seq_begin"].long()
+                e = base + self["req_seq_end"].long()
+                ln = e - b
+                v = v[_ranges(b, ln)]
+            elif per == "sample":
+                off = self[f"{group}.offsets" if group in ("seq", "req", "imp") else f"{k}.offsets"].long()
+                ln = off[1:] - off[:-1]
+            else:
+                raise ValueError(f"per must be 'sample' or 'request', got {per!r}")
+            vals.append(v)
+            lens.append(ln)
+        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lens).int())
+
+
+_STRINGY = ("string", "large_string", "binary", "large_binary")
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated aranges [s, s+l) as one index tensor (no Python loop)."""
+    total = int(lengths.sum().item()) if lengths.numel() else 0
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long, device=starts.device)
+    out_off = torch.cumsum(lengths, 0) - lengths
+    rep = torch.repeat_interleave(starts - out_off, lengths, output_size=total)
+    return rep + torch.arange(total, device=starts.device)
+
+
+def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    out_off = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_off, lengths) + np.arange(total)
+
+
+def _arrow_col(b: JaggedBatch, name: str, typ: str, idx: np.ndarray | None, offsets: np.ndarray | None = None):
+    """One column's flat values (optionally gathered by ``idx``, grouped into lists by ``offsets``) as Arrow."""
+    import pyarrow as pa
+
+    t = pa.type_for_alias(typ) if typ not in ("date32[day]",) else pa.date32()
+    valid = b.numpy(name + ".valid").astype(bool) if (name + ".valid") in b else None
+    if typ in _STRINGY:
+        data = b.numpy(name)
+        so = b.numpy(name + ".soff")
+        ix = np.arange(len(so) - 1) if idx is None else idx
+        ln = so[1:][ix] - so[:-1][ix]
+        gat = data[_np_ranges(so[:-1][ix], ln)]
+        off = np.concatenate([[0], np.cumsum(ln)]).astype(np.int64)
+        arr = pa.LargeStringArray.from_buffers(len(ix), pa.py_buffer(off), pa.py_buffer(gat.tobytes()))
+        arr = arr.cast(t)
+        if valid is not None:
+            arr = _mask(arr, valid[ix])
+    else:
+        v = b.numpy(name)
+        v = v if idx is None else v[idx]
+        arr = pa.array(v, type=pa.int32() if pa.types.is_date32(t) else t, mask=None if valid is None else ~(valid if idx is None else valid[idx]))
+        if pa.types.is_date32(t):
+            arr = arr.cast(t)
+    if offsets is not None:
+        arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), arr)
+    return arr
+
+
+def _mask(arr, valid: np.ndarray):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.if_else(pa.array(valid), arr, pa.scalar(None, arr.type))
+
+
+def expand_batch(batch: JaggedBatch):
+    """Point-wise rows of a batch, one per impression (pure numpy + Arrow).
+
+    Columns: the user column (its input name), every ``req__`` column
+    repeated per impression and every ``imp__`` column, both under their
+    original names, then per impression its visible history
+    ``seq_<field>`` = the stored seq[begin:end] of its request.
+    Rows come in batch order (samples, requests, impressions in stored order).
+    """
+    import pyarrow as pa
+
+    b = batch.to("cpu")
+    cols = b.meta["columns"]
+    roles = b.meta.get("roles") or {}
+    imp_req = b.numpy("imp.req").astype(np.int64)
+    req_sample = b.numpy("req.sample").astype(np.int64)
+    imp_sample = req_sample[imp_req]
+    out = {}
+    user_name = roles.get("user") or "user"
+    if "user" in cols:
+        out[user_name] = _arrow_col(b, "user", cols["user"][1], imp_sample)
+    for name, (group, typ) in cols.items():
+        if group == "req" and name.startswith("req__"):
+            out[name[5:]] = _arrow_col(b, name, typ, imp_req)
+    for name, (group, typ) in cols.items():
+        if group == "imp" and name.startswith("imp__"):
+            out[name[5:]] = _arrow_col(b, name, typ, None)
+    order = [c for c in roles.get("input_columns", []) if c in out]
+    table = {c: out[c] for c in order + [c for c in out if c not in order]}
+    so = b.numpy("seq.offsets").astype(np.int64)
+    begin = so[imp_sample] + b.numpy("req_seq_begin").astype(np.int64)[imp_req]
+    end = so[imp_sample] + b.numpy("req_seq_end").astype(np.int64)[imp_req]
+    ln = end - begin
+    gidx = _np_ranges(begin, ln)
+    hoff = np.concatenate([[0], np.cumsum(ln)])
+    for name, (group, typ) in cols.items():
+        if group == "seq":
+            table[name] = _arrow_col(b, name, typ, gidx, hoff)
+    return pa.table(table)

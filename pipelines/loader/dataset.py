@@ -1,0 +1,288 @@
+"""The iterable dataset over one node's staged shards."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .. import gds as gdsmod
+from ..errors import ShardError
+from . import decode
+from .plan import RankPlan, assign, plan_node, user_unit
+from .shards import NodeShards, open_node
+
+log = logging.getLogger("userwise.loader")
+_SAID: set[str] = set()
+
+
+def say_once(msg: str) -> None:
+    """Log a message once per process (e.g. which data path was taken)."""
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.warning(msg)
+
+
+def dist_rank_world() -> tuple[int, int]:
+    """(local rank, local world size): env LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun),
+    else torch.distributed's rank/world when initialised, else (0, 1)."""
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
+
+
+class UserwiseDataset(IterableDataset):
+    """Jagged batches of user-wise samples from one node's staged shards.
+
+    Yields :class:`JaggedBatch` (already batched: use it with
+    :class:`UserwiseLoader`, or with torch's DataLoader and ``batch_size=None``).
+
+    Args (keyword-only after ``root``):
+        root (str): the staged folder (``manifest.json`` + ``node=k/``).
+        node (int | None): default the manifest's ``staged_node`` (or 0 for one node).
+        sets (list[str] | None): set ids or kinds to read, in manifest (training)
+            order: pretrain first, then incremental windows by time. Default all.
+        batch_size (int): samples per batch (default 64), unless ``token_budget``.
+        token_budget (int | None): max events + impressions per batch (a single
+            oversize sample makes its own batch).
+        rank, world_size (int | None): local rank / ranks sharing this node's shards;
+            default from LOCAL_RANK/LOCAL_WORLD_SIZE or torch.distributed, else 0/1.
+            A world size other than the manifest's ranks_per_node re-splits by row group.
+        seed (int): shuffle seed (default 0); shuffle (bool, default True).
+        buffer_row_groups (int): row groups per shuffle buffer (default 2).
+        split ("all" | "train" | "eval"): with ``eval_sets`` (held-out set ids or
+            kinds) and ``eval_user_share`` (a seeded share of users, by ``eval_seed``).
+        columns (list[str] | None): columns to read (default all; the pointer
+            columns are always read).
+        verify ("checksum" | "size" | "none"): checks before training (default checksum).
+        gds ("auto" | "host" | False): "auto" reads GDS side files into device memory when
+            kvikio, a GPU and side files exist (falls back to Parquet otherwise);
+            "host" reads the side files on the host (a test path); False: Parquet.
+        device: the device batches are for (only decides the GDS path; default cuda if available).
+        all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
+            agree on batch counts with one all-reduce (max) per epoch. Default True.
+    """
+
+    def __init__(self, root, *, node=None, sets=None, batch_size=64, token_budget=None, rank=None, world_size=None,
+                 seed=0, shuffle=True, buffer_row_groups=2, split="all", eval_sets=(), eval_user_share=0.0,
+                 eval_seed=0, columns=None, verify="checksum", gds="auto", device=None, all_reduce_targets=True):
+        super().__init__()
+        if token_budget is None and (batch_size is None or batch_size < 1):
+            raise ValueError("batch_size must be >= 1 (or give token_budget)")
+        if token_budget is not None and token_budget < 1:
+            raise ValueError("token_budget must be >= 1")
+        if split not in ("all", "train", "eval"):
+            raise ValueError(f"split must be all, train or eval, got {split!r}")
+        self.shards: NodeShards = open_node(root, node, verify=verify)
+        dr, dw = dist_rank_world()
+        self.rank = dr if rank is None else int(rank)
+        self.world_size = dw if world_size is None else int(world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.batch_size, self.token_budget = batch_size, token_budget
+        self.seed, self.shuffle, self.buffer_row_groups = int(seed), bool(shuffle), max(1, int(buffer_row_groups))
+        self.split, self.eval_user_share, self.eval_seed = split, float(eval_user_share), int(eval_seed)
+        self.all_reduce_targets = all_reduce_targets
+        man = self.shards.manifest
+        kinds = {s["id"]: s["kind"] for s in man["sets"]}
+        pick = lambda sel: [i for i, sid in enumerate(self.shards.sets) if sid in sel or kinds[sid] in sel]  # noqa: E731
+        self.set_idx = list(range(len(self.shards.sets))) if sets is None else pick(set(sets))
+        if sets is not None and not self.set_idx:
+            raise ShardError(f"{root}: no set matches {sets}; the manifest has {self.shards.sets}")
+        self.eval_set_idx = set(pick(set(eval_sets)))
+        names = self.shards.schema.names
+        if columns is not None:
+            bad = [c for c in columns if c not in names]
+            if bad:
+                raise ValueError(f"unknown columns {bad}; the shards have {names}")
+            columns = [c for c in names if c in set(columns) | set(REQUIRED)]
+        self.columns = columns or list(names)
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.data_path = self._choose_path(gds)
+        self.epoch = 0
+        self._start = 0
+        self._plans: dict[int, RankPlan] = {}
+        self._owner = None
+        self._keep_cache = None
+
+    # -- data path ---------------------------------------------------------------
+    def _choose_path(self, gds) -> str:
+        have_side = all(s.get("gds_path") for s in self.shards.shards)
+        if gds == "host":
+            if not have_side:
+                raise ShardError(f"{self.shards.root}: gds='host' but the shards have no GDS side files (preshard --layout gds)")
+            path, why = "gds-host", "side files read on the host (test path)"
+        elif gds == "auto" and have_side and self.device.type == "cuda":
+            try:
+                import kvikio  # noqa: F401
+                path, why = "gds", "kvikio + GPU + side files: reading straight into device memory"
+            except ImportError:
+                path, why = "parquet", "GDS fallback: kvikio is not importable"
+        else:
+            why = ("GDS not requested" if not gds else "no GDS side files" if not have_side else "no GPU")
+            path = "parquet"
+            why = f"Parquet via {'pinned memory' if self.device.type == 'cuda' else 'pageable memory (CPU only)'} ({why})"
+        say_once(f"userwise loader: data path = {path}: {why}")
+        return path
+
+    # -- plan ------------------------------------------------------------------
+    def _keep(self) -> list:
+        sh = self.shards
+        n = len(sh.rg_rows)
+        if self.split == "all":
+            return [None] * n
+        users_out = None
+        if self.eval_user_share > 0:
+            users_out = [user_unit(u, self.eval_seed) < self.eval_user_share for u in sh.column("user")]
+        keep = []
+        for g in range(n):
+            in_eval_set = int(sh.rg_set[g]) in self.eval_set_idx
+            ev = np.full(int(sh.rg_rows[g]), in_eval_set)
+            if users_out is not None:
+                ev = ev | users_out[g]
+            keep.append(ev if self.split == "eval" else ~ev)
+        return keep
+
+    def plans(self, epoch: int | None = None) -> list[RankPlan]:
+        """Plans of every rank of this node for ``epoch`` (default the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        sh = self.shards
+        weight = sh.rg_rows if self.token_budget is None else np.array([c.sum() for c in sh.column("cost")])
+        if self._owner is None:
+            self._owner = assign(sh.rg_set, sh.rg_rank, weight, int(sh.manifest["ranks_per_node"]), self.world_size)
+        if self._keep_cache is None:
+            self._keep_cache = self._keep()
+        owner = self._owner
+        costs = sh.column("cost") if self.token_budget is not None else None
+        kw = dict(rg_rows=sh.rg_rows, rg_set=sh.rg_set, rg_owner=owner, keep=self._keep_cache, costs=costs,
+                  sets=self.set_idx, world=self.world_size, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                  buffer_rgs=self.buffer_row_groups, batch_size=self.batch_size, token_budget=self.token_budget)
+        plans, targets = plan_node(**kw)
+        agreed = self._cross_node_targets(targets)
+        if agreed != targets:
+            plans, _ = plan_node(**kw, targets=agreed)
+        return plans
+
+    def _cross_node_targets(self, targets: dict) -> dict:
+        d = torch.distributed
+        if not (self.all_reduce_targets and d.is_available() and d.is_initialized() and d.get_world_size() > self.world_size):
+            return targets
+        t = torch.tensor([targets[s] for s in self.set_idx], dtype=torch.long)
+        d.all_reduce(t, op=d.ReduceOp.MAX)
+        return {s: int(v) for s, v in zip(self.set_idx, t.tolist())}
+
+    def plan(self, epoch: int | None = None) -> RankPlan:
+        """This rank's plan (cached per epoch)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if epoch not in self._plans:
+            self._plans = {epoch: self.plans(epoch)[self.rank]}
+        return self._plans[epoch]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.plan().num_batches
+
+    # -- reading -------------------------------------------------------------------
+    def read_buffer(self, rgs) -> dict:
+        """Decode row groups into flat columns (Parquet, or GDS side files)."""
+        sh = self.shards
+        if self.data_path == "parquet":
+            parts = []
+            for g in rgs:
+                s, i = int(sh.rg_shard[g]), int(sh.rg_index[g])
+                path = sh.path(s)
+                try:
+                    parts.append(pq.ParquetFile(path).read_row_group(i, columns=self.columns))
+                except Exception as e:  # noqa: BLE001
+                    raise ShardError(f"{path}: row group {i} unreadable ({e}); re-stage this file") from None
+            table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+            where = sh.path(int(sh.rg_shard[rgs[0]]))
+            cols = decode.from_arrow(table, where)
+        else:
+            cols = self._read_gds(rgs)
+            where = sh.gds_path(int(sh.rg_shard[rgs[0]]))
+        decode.check_groups(cols, where)
+        return cols
+
+    def _read_gds(self, rgs) -> dict:
+        sh = self.shards
+        parts, valid_parts, arrow = [], [], {}
+        for g in rgs:
+            path = sh.gds_path(int(sh.rg_shard[g]))
+            idx = gdsmod.read_index(path)
+            rg = idx["row_groups"][int(sh.rg_index[g])]
+            arrow.update({n: rg["columns"][n]["arrow"] for n in self.columns})
+            strings = [n for n in self.columns if "str_offsets" in rg["columns"][n]]
+            numeric = [n for n in self.columns if n not in strings]
+            host = gdsmod.read_host(path, int(sh.rg_index[g]), strings if self.data_path == "gds" else self.columns, index=idx)
+            if self.data_path == "gds":
+                dev = gdsmod.read_device(path, int(sh.rg_index[g]), numeric, device=self.device, index=idx)
+                host = {k: tuple(None if a is None else torch.from_numpy(np.array(a)).to(self.device) for a in v)
+                        for k, v in host.items()}
+                host.update(dev)
+            parts.append(host)
+            vp = {}
+            with open(path, "rb") as f:
+                for n in self.columns:
+                    e = rg["columns"][n]
+                    if "validity" in e:
+                        f.seek(e["validity"][0])
+                        vp[n] = np.frombuffer(f.read(e["validity"][1]), np.uint8)
+            valid_parts.append(vp)
+        cols = decode.from_gds(parts, arrow)
+        for n in cols:
+            if any(n in vp for vp in valid_parts):
+                vs = [vp.get(n) if n in vp else np.ones(len(p[n][0]) if p[n][1] is None or "str_offsets" not in rg["columns"][n]
+                                                          else len(p[n][-1]) - 1, np.uint8)
+                      for vp, p in zip(valid_parts, parts)]
+                cols[n].validity = torch.from_numpy(np.concatenate(vs)).to(cols[n].values.device)
+        return cols
+
+    def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None):
+        """This rank's batches for one worker: buffers ``i % num_workers == worker``,
+        in epoch order, skipping batches before ``start`` (epoch index)."""
+        plan = self.plan(epoch)
+        alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
+        firsts = plan.first_batch()
+        roles = self.shards.roles
+        for i, buf in enumerate(plan.buffers):
+            if i % max(1, num_workers) != worker:
+                continue
+            j0 = int(firsts[i])
+            if j0 + buf.num_batches <= start:
+                continue
+            cols = self.read_buffer(buf.rgs) if len(buf.rgs) else None
+            perm = torch.from_numpy(buf.perm)
+            for k in range(buf.num_batches):
+                j = j0 + k
+                if j < start:
+                    continue
+                meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
+                a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
+                if cols is None:
+                    yield self._empty(meta, alloc)
+                else:
+                    yield decode.assemble(cols, perm[a:b], alloc, meta)
+
+    def _empty(self, meta, alloc):
+        # a rank with fewer samples than batches: an empty batch with the full layout
+        for g in range(len(self.shards.rg_rows)):
+            cols = self.read_buffer([g])
+            return decode.assemble(cols, torch.zeros(0, dtype=torch.long), alloc, meta)
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, k = (0, 1) if info is None else (info.id, info.num_workers)
+        return self.batches(w, k, self._start)

@@ -1,0 +1,164 @@
+"""One node's staged shards: manifest, verification, row-group metadata.
+
+Everything here runs once, in the trainer's main process, before any worker
+starts: a missing file, a checksum mismatch or a schema that differs from the
+manifest is a :class:`ShardError` naming the file, never a crash mid-epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from userwise.schemas import FORMAT_VERSION, schema_fingerprint
+
+from ..errors import ShardError
+
+MANIFEST = "manifest.json"
+VERIFY = ("checksum", "size", "none")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 22), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def load_manifest(root: str) -> dict:
+    """Read and validate manifest.json (the shared module's ``load`` when present)."""
+    if importlib.util.find_spec("userwise.pipelines.manifest") is not None:
+        from userwise.pipelines import manifest as M  # the preshard side's reader
+
+        if hasattr(M, "load"):
+            return M.load(root)
+    path = os.path.join(root, MANIFEST)
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: missing; the shard set is incomplete or not staged (run `userwise stage`)") from None
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: not valid JSON ({e}); re-run preshard/stage") from None
+    for k in ("format_version", "nodes", "ranks_per_node", "schema_fingerprint", "sets", "shards"):
+        if k not in man:
+            raise ShardError(f"{path}: key {k!r} missing; re-run preshard")
+    if int(man["format_version"]) > FORMAT_VERSION:
+        raise ShardError(f"{path}: format {man['format_version']} is newer than this loader ({FORMAT_VERSION}); upgrade userwise")
+    return man
+
+
+@dataclass
+class NodeShards:
+    """The shards of one node with per-row-group metadata (from Parquet footers).
+
+    Row groups are numbered globally in manifest order; ``rg_*`` arrays are
+    indexed by that number.
+    """
+
+    root: str
+    node: int
+    manifest: dict
+    shards: list[dict]
+    sets: list[str]
+    rg_shard: np.ndarray
+    rg_index: np.ndarray
+    rg_rows: np.ndarray
+    rg_set: np.ndarray
+    rg_rank: np.ndarray
+    schema: object = None
+    _cols: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def roles(self) -> dict:
+        return self.manifest.get("roles") or {}
+
+    def path(self, shard: int) -> str:
+        return os.path.join(self.root, self.shards[shard]["path"])
+
+    def gds_path(self, shard: int) -> str | None:
+        g = self.shards[shard].get("gds_path")
+        return os.path.join(self.root, g) if g else None
+
+    def column(self, name: str) -> list[np.ndarray]:
+        """One (small) column of every row group, e.g. ``cost`` or ``user``, read once and cached."""
+        if name not in self._cols:
+            per_rg: list[np.ndarray] = []
+            for s in range(len(self.shards)):
+                t = pq.read_table(self.path(s), columns=[name])
+                a = t.column(name).to_numpy()
+                rows = self.rg_rows[self.rg_shard == s]
+                per_rg += np.split(a, np.cumsum(rows)[:-1])
+            self._cols[name] = per_rg
+        return self._cols[name]
+
+
+def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -> NodeShards:
+    """Open (and verify) one node's shards under ``root``.
+
+    ``node``: default the manifest's ``staged_node``, or 0 for a one-node set.
+    ``verify``: ``checksum`` (size + sha256 + schema), ``size`` (size + schema), ``none``.
+    """
+    if verify not in VERIFY:
+        raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+    root = os.fspath(root)
+    man = load_manifest(root)
+    if node is None:
+        node = man.get("staged_node")
+        if node is None:
+            if int(man["nodes"]) != 1:
+                raise ShardError(f"{os.path.join(root, MANIFEST)}: {man['nodes']} nodes and no staged_node; pass node=")
+            node = 0
+    node = int(node)
+    set_ids = [s["id"] for s in man["sets"]]
+    order = {sid: i for i, sid in enumerate(set_ids)}
+    shards = [s for s in man["shards"] if int(s["node"]) == node]
+    for s in shards:
+        if s.get("set") not in order:
+            raise ShardError(f"{os.path.join(root, s['path'])}: its set {s.get('set')!r} is not listed in the manifest's sets")
+    shards.sort(key=lambda s: (order[s["set"]], s["path"]))
+    if not shards:
+        raise ShardError(f"{os.path.join(root, MANIFEST)}: no shards for node {node}")
+    fp = man["schema_fingerprint"]
+    rg_shard, rg_index, rg_rows, rg_set, rg_rank = [], [], [], [], []
+    schema = None
+    for si, s in enumerate(shards):
+        path = os.path.join(root, s["path"])
+        if not os.path.exists(path):
+            raise ShardError(f"{path}: missing (listed in the manifest); re-run `userwise stage --node {node}`")
+        if verify != "none":
+            size = os.path.getsize(path)
+            if size != int(s["bytes"]):
+                raise ShardError(f"{path}: {size} bytes, the manifest says {s['bytes']}; re-stage this file")
+            if verify == "checksum" and _sha256(path) != s["sha256"]:
+                raise ShardError(f"{path}: checksum mismatch with the manifest; the file is corrupt, re-stage it")
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 (any footer error is a bad shard)
+            raise ShardError(f"{path}: not a readable Parquet file ({e}); re-stage it") from None
+        got = schema_fingerprint(pf.schema_arrow)
+        if got != fp:
+            names = {f.name: str(f.type) for f in pf.schema_arrow}
+            want = {n: t for n, t, _ in man.get("schema", [])}
+            diff = sorted(set(names.items()) ^ set(want.items()))[:4]
+            raise ShardError(f"{path}: schema differs from the manifest (fingerprint {got} != {fp}; e.g. {diff}); "
+                             "re-run preshard with this schema or use a matching loader")
+        md = pf.metadata
+        if md.num_rows != int(s["rows"]):
+            raise ShardError(f"{path}: {md.num_rows} rows, the manifest says {s['rows']}; re-stage this file")
+        schema = pf.schema_arrow
+        for i in range(md.num_row_groups):
+            rg_shard.append(si)
+            rg_index.append(i)
+            rg_rows.append(md.row_group(i).num_rows)
+            rg_set.append(order[s["set"]])
+            rg_rank.append(int(s.get("rank", 0)))
+    return NodeShards(root, node, man, shards, set_ids, np.array(rg_shard), np.array(rg_index),
+                      np.array(rg_rows, dtype=np.int64), np.array(rg_set), np.array(rg_rank), schema)
