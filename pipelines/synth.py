@@ -602,7 +602,7 @@ def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
 def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 200, items: int = 5000,
           impressions: int | None = None, max_seq_len: int = 50, fmt: str = "parquet",
           kinds: tuple[str, ...] = KINDS, bad_rows: float = 0.0, seed: int = 0,
-          params: SynthParams | None = None, chunk_mb: float = 256.0, log=sys.stderr) -> dict:
+          params: SynthParams | None = None, chunk_mb: float = 256.0, log=None) -> dict:
     """Generate the logs into `out` and return the summary (also written to synth.json).
 
     Example::
@@ -610,6 +610,7 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
         synth("/tmp/syn", days=1, users=100, fmt="delta", bad_rows=0.01)
     """
     p = params or SynthParams()
+    log = log or sys.stderr
     if seed < 0:
         raise UserwiseError(f"--seed {seed}: use a non-negative integer")
     if not 0 <= bad_rows < 0.5:
