@@ -636,7 +636,7 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
 
     # chunk = a group of blocks per file, sized by estimated bytes per (chunk, day)
     rows_per_block_day = BLOCK * expected_impressions_per_user_day(p, days)
-    bytes_per_row = 120 + (24 * max_seq_len if "fat" in kinds else 0)
+    bytes_per_row = 400 + (48 * max_seq_len if "fat" in kinds else 0)  # measured peak per row, roughly
     blocks_per_chunk = max(1, int(chunk_mb * 2**20 / (rows_per_block_day * bytes_per_row)))
     n_chunks = -(-w.n_blocks // blocks_per_chunk)
 
