@@ -91,6 +91,8 @@ def _preshard_args(p):
     p.add_argument("--window", help="incremental window end date (YYYY-MM-DD); default: every window")
     p.add_argument("--target-shard-mb", type=float, default=256.0)
     p.add_argument("--row-group-rows", type=_pos_int, default=2048)
+    p.add_argument("--row-group-mb", type=float, default=128.0,
+                   help="also cut a row group at this much (estimated uncompressed) data")
     p.add_argument("--compression", default="zstd", help="zstd | none | snappy (all columns)")
     p.add_argument("--layout", choices=["parquet", "gds"], default="parquet")
     p.add_argument("--seed", type=int, default=0)
@@ -102,6 +104,8 @@ def _stage_args(p):
     p.add_argument("--node", required=True, type=int)
     p.add_argument("--dest", required=True, help="local NVMe folder")
     p.add_argument("--workers", type=_pos_int, default=8)
+    p.add_argument("--limit-mbps", type=float, default=None,
+                   help="cap the copy rate (MB/s over all workers), e.g. to spare a shared network")
 
 
 def _diagnose_args(p):
