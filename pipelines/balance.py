@@ -9,10 +9,12 @@ computes in Spark (``preshard.assign_spark``) and a test holds equal:
 2. Deal them out in a snake: block ``b = i // slots``, position
    ``j = i % slots``; slot ``j`` on even blocks, ``slots - 1 - j`` on odd ones.
    Every slot gets ``n // slots`` or ``n // slots + 1`` samples (equal counts
-   +-1), and any two slots' cost differs by at most ``max(cost) - min(cost)``
-   (the blocks are consecutive runs of the sorted costs, and each pair of
-   blocks hands the larger element of one to the smaller of the other), so
-   every rank is within one sample's cost of the mean.
+   +-1), and any two slots' cost differs by at most ``max(cost)`` (by at most
+   ``max(cost) - min(cost)`` when ``slots`` divides ``n``: the blocks are
+   consecutive runs of the sorted costs, and each pair of blocks hands the
+   larger element of one to the smaller of the other), so every rank is
+   within one sample's cost of the mean; with many samples per rank that is
+   far below 2%.
 3. Slot ``s`` is node ``s // ranks_per_node``, local rank ``s % ranks_per_node``.
 4. A rank's samples go to ``shards_per_rank`` shards by block: shard
    ``b % shards_per_rank``: every shard gets every cost tier, counts +-1.
