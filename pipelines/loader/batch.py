@@ -199,7 +199,12 @@ _STRINGY = ("string", "large_string", "binary", "large_binary")
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated aranges [s, s+l) as one index tensor (no Python loop)."""
+    """Concatenated aranges [s, s+l) as one index tensor (no Python loop).
+
+    On CPU this runs in numpy: torch's intra-op threads make small ops tens of
+    times slower on a busy host, and a loader must not compete with the trainer."""
+    if starts.device.type == "cpu":
+        return torch.from_numpy(_np_ranges(starts.numpy().astype(np.int64), lengths.numpy().astype(np.int64)))
     total = int(lengths.sum().item()) if lengths.numel() else 0
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=starts.device)
@@ -214,6 +219,21 @@ def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     out_off = np.cumsum(lengths) - lengths
     return np.repeat(starts - out_off, lengths) + np.arange(total)
+
+
+def repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``repeat_interleave`` (numpy on CPU, see ``_ranges``)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy().astype(np.int64)))
+    return torch.repeat_interleave(values, counts, output_size=total)
+
+
+def take(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:] = src[idx] (numpy on CPU, see ``_ranges``)."""
+    if src.device.type == "cpu":
+        np.take(src.numpy(), idx.numpy(), out=out.numpy())
+    else:
+        torch.index_select(src, 0, idx, out=out)
 
 
 def _arrow_col(b: JaggedBatch, name: str, typ: str, idx: np.ndarray | None, offsets: np.ndarray | None = None):

@@ -19,10 +19,8 @@ import torch
 
 from .. import gds as gdsmod
 from ..errors import ShardError
-from .batch import ALIGN, JaggedBatch, _ranges, dtype_name, torch_dtype
+from .batch import ALIGN, JaggedBatch, _ranges, dtype_name, repeat, take, torch_dtype
 
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 REQ_LISTS = ("req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps", "req_snapshot")
 
@@ -50,7 +48,11 @@ class Col:
 
 
 def _t(a):
-    return None if a is None else torch.from_numpy(np.asarray(a))
+    if a is None:
+        return None
+    with warnings.catch_warnings():  # Arrow's buffers are read-only; we never write to them
+        warnings.simplefilter("ignore")
+        return torch.from_numpy(np.asarray(a))
 
 
 def from_arrow(table: pa.Table, where: str = "") -> dict[str, Col]:
@@ -110,8 +112,8 @@ def check_groups(cols: dict[str, Col], where: str) -> None:
     if "req_num_imps" in cols and "imp" in first:
         rni = cols["req_num_imps"]
         per_sample = torch.zeros(len(rni.offsets) - 1, dtype=torch.long, device=rni.values.device)
-        sample_of = torch.repeat_interleave(torch.arange(len(per_sample), device=rni.values.device),
-                                            (rni.offsets[1:] - rni.offsets[:-1]))
+        counts = rni.offsets[1:] - rni.offsets[:-1]
+        sample_of = repeat(torch.arange(len(per_sample), device=rni.values.device), counts, int(counts.sum()))
         per_sample.index_add_(0, sample_of, rni.values.long())
         imp_off = first["imp"][1]
         if not torch.equal(per_sample, (imp_off[1:] - imp_off[:-1]).long()):
@@ -176,23 +178,23 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
             snew = torch.zeros(e.numel() + 1, dtype=torch.long, device=dev)
             torch.cumsum(sl, 0, out=snew[1:])
             bidx = _ranges(s0, sl)
-            add(name, torch.uint8, bidx.numel(), lambda o, v=c.values, i=bidx: torch.index_select(v, 0, i, out=o))
+            add(name, torch.uint8, bidx.numel(), lambda o, v=c.values, i=bidx: take(v, i, o))
             add(name + ".soff", torch.long, e.numel() + 1, lambda o, s=snew: o.copy_(s))
         else:
-            add(name, c.values.dtype, e.numel(), lambda o, v=c.values, i=e: torch.index_select(v, 0, i, out=o))
+            add(name, c.values.dtype, e.numel(), lambda o, v=c.values, i=e: take(v, i, o))
         if c.validity is not None:
-            add(name + ".valid", torch.uint8, e.numel(), lambda o, v=c.validity, i=e: torch.index_select(v, 0, i, out=o))
+            add(name + ".valid", torch.uint8, e.numel(), lambda o, v=c.validity, i=e: take(v, i, o))
 
     # derived index arrays: request -> sample, impression -> request
     if "req" in group_idx:
         R = int(group_idx["req"].numel())
         req_new = group_off["req"]
-        req_sample = torch.repeat_interleave(torch.arange(B, device=dev), req_new[1:] - req_new[:-1], output_size=R)
+        req_sample = repeat(torch.arange(B, device=dev), req_new[1:] - req_new[:-1], R)
         add("req.sample", torch.long, R, lambda o, s=req_sample: o.copy_(s))
         if "req_num_imps" in cols and "imp" in group_idx:
             rni = cols["req_num_imps"].values[group_idx["req"]].long()
             N = int(group_idx["imp"].numel())
-            imp_req = torch.repeat_interleave(torch.arange(R, device=dev), rni, output_size=N)
+            imp_req = repeat(torch.arange(R, device=dev), rni, N)
             add("imp.req", torch.long, N, lambda o, s=imp_req: o.copy_(s))
 
     spec, pos = [], 0
@@ -205,6 +207,9 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
         size = torch.empty((), dtype=dt).element_size() * numel
         if numel:
             fill(buf[off: off + size].view(dt))
+        end = _align(off + size)
+        if end > off + size:  # zero the alignment padding: equal batches are equal bytes
+            buf[off + size: end].zero_()
     m = dict(meta)
     m["num_samples"] = B
     m["columns"] = columns

@@ -1,0 +1,329 @@
+"""The loader: exactly-once, equal batch counts, resumption, holdout, bad shards, expansion."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from userwise.pipelines.errors import ShardError
+from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader, expand_batch
+
+from .shardgen import all_rows, sha256, write_shard_set
+
+
+@pytest.fixture(scope="module")
+def shardset(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("shards"))
+    write_shard_set(root, nodes=1, ranks_per_node=2, row_group_rows=8)
+    return root
+
+
+def run(root, world, workers=0, **kw):
+    """sample_ids per batch for every rank."""
+    out = {}
+    for r in range(world):
+        ds = UserwiseDataset(root, rank=r, world_size=world, verify="none", **kw)
+        out[r] = [b.numpy("sample_id").tolist() for b in UserwiseLoader(ds, num_workers=workers)]
+    return out
+
+
+@pytest.mark.parametrize("world,workers,mode", [
+    (1, 0, "count"), (2, 0, "count"), (2, 2, "count"), (3, 0, "count"), (4, 2, "tokens"), (2, 0, "tokens"), (5, 1, "count"),
+])
+def test_every_sample_exactly_once_equal_batches_per_rank(shardset, world, workers, mode):
+    kw = {"batch_size": 16} if mode == "count" else {"token_budget": 150}
+    got = run(shardset, world, workers, **kw)
+    ids = [i for r in got.values() for b in r for i in b]
+    want = all_rows(shardset).column("sample_id").to_pylist()
+    assert collections.Counter(ids) == collections.Counter(want)
+    assert len({len(batches) for batches in got.values()}) == 1, {r: len(b) for r, b in got.items()}
+
+
+def test_uneven_shards_rank_with_fewer_samples_cuts_smaller_batches(shardset):
+    man = json.load(open(os.path.join(shardset, "manifest.json")))
+    rows = collections.Counter()
+    for s in man["shards"]:
+        rows[s["rank"]] += s["rows"]
+    assert rows[0] != rows[1]  # the fixture really is uneven
+    got = run(shardset, 2, batch_size=16)
+    assert len(got[0]) == len(got[1])
+    small = min(rows, key=rows.get)
+    big = max(rows, key=rows.get)
+    assert sum(map(len, got[small])) == rows[small] and sum(map(len, got[big])) == rows[big]
+    assert max(map(len, got[small])) <= 16 and max(map(len, got[big])) <= 16
+
+
+def test_more_ranks_than_row_groups_pads_with_empty_batches(tmp_path):
+    root = str(tmp_path)
+    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=64,
+                    sets=(("incremental", "2026-01-04", "2026-01-05", 20),))
+    got = run(root, 3, batch_size=4)
+    assert len({len(v) for v in got.values()}) == 1
+    assert sorted(i for v in got.values() for b in v for i in b) == sorted(all_rows(root).column("sample_id").to_pylist())
+    assert any(len(b) == 0 for v in got.values() for b in v)
+
+
+def test_sets_in_training_order_and_selectable(shardset):
+    ds = UserwiseDataset(shardset, batch_size=16, verify="none", world_size=1, rank=0)
+    sets = [b.meta["set"] for b in UserwiseLoader(ds)]
+    order = [s["id"] for s in json.load(open(os.path.join(shardset, "manifest.json")))["sets"]]
+    assert sets == sorted(sets, key=order.index) and set(sets) == set(order)
+    inc = UserwiseDataset(shardset, batch_size=16, verify="none", sets=["incremental"], world_size=1, rank=0)
+    got = [b for b in UserwiseLoader(inc)]
+    assert {b.meta["set"] for b in got} == set(order[1:])
+    one = UserwiseDataset(shardset, batch_size=16, verify="none", sets=[order[2]], world_size=1, rank=0)
+    n = sum(b.num_samples for b in UserwiseLoader(one))
+    assert n == json.load(open(os.path.join(shardset, "manifest.json")))["sets"][2]["rows"]
+
+
+def test_holdout_window_and_seeded_user_share_partition_the_samples(shardset):
+    order = [s["id"] for s in json.load(open(os.path.join(shardset, "manifest.json")))["sets"]]
+    kw = dict(batch_size=16, verify="none", world_size=1, rank=0, eval_sets=[order[-1]], eval_user_share=0.2, eval_seed=7)
+    train = [i for b in UserwiseLoader(UserwiseDataset(shardset, split="train", **kw)) for i in b.numpy("sample_id")]
+    evalb = list(UserwiseLoader(UserwiseDataset(shardset, split="eval", **kw)))
+    ev = [i for b in evalb for i in b.numpy("sample_id")]
+    allids = all_rows(shardset).column("sample_id").to_pylist()
+    assert sorted(train + ev) == sorted(allids) and not set(train) & set(ev)
+    end = order[-1].split("/")[1]
+    last = {r["sample_id"] for r in all_rows(shardset).to_pylist() if r["window_end"].isoformat() == end}
+    assert last <= set(ev)  # the whole held-out window is in eval
+    extra = set(ev) - last
+    assert 0.05 * (len(allids) - len(last)) < len(extra) < 0.4 * (len(allids) - len(last))
+    # the same seed picks the same users again
+    again = [i for b in UserwiseLoader(UserwiseDataset(shardset, split="eval", **kw)) for i in b.numpy("sample_id")]
+    assert again == ev
+
+
+def _batches(loader, n=None):
+    out = []
+    for b in loader:
+        out.append((b.meta["index"], b.numpy("sample_id").tolist(), bytes(b.buffer.numpy())))
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [(0, 0), (2, 2), (0, 2), (2, 1)])
+def test_resume_mid_epoch_equals_uninterrupted_run(shardset, workers_before, workers_after):
+    kw = dict(batch_size=8, verify="none", world_size=1, rank=0, seed=3)
+    full = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers_before)
+    full.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    want = _batches(full)
+    first = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers_before)
+    first.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    head = _batches(first, 7)
+    state = first.state_dict()
+    assert state == {"epoch": 1, "cursor": 7, "seed": 3}
+    second = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers_after)
+    second.load_state_dict(json.loads(json.dumps(state)))
+    tail = _batches(second)
+    assert head + tail == want
+    assert second.state_dict() == {"epoch": 2, "cursor": 0, "seed": 3}
+
+
+def test_same_seed_same_batches_epochs_differ(shardset):
+    kw = dict(batch_size=16, verify="none", world_size=2, rank=1)
+    a = _batches(UserwiseLoader(UserwiseDataset(shardset, seed=5, **kw)))
+    b = _batches(UserwiseLoader(UserwiseDataset(shardset, seed=5, **kw), num_workers=2))
+    assert a == b
+    l2 = UserwiseLoader(UserwiseDataset(shardset, seed=5, **kw))
+    e0, e1 = _batches(l2), _batches(l2)  # the loader moves to the next epoch by itself
+    assert [x[1] for x in e0] != [x[1] for x in e1]
+    assert sorted(i for x in e0 for i in x[1]) == sorted(i for x in e1 for i in x[1])
+    c = _batches(UserwiseLoader(UserwiseDataset(shardset, seed=6, **kw)))
+    assert [x[1] for x in a] != [x[1] for x in c]
+
+
+def test_token_budget_never_exceeded_except_single_oversize_sample(shardset):
+    budget = 60
+    ds = UserwiseDataset(shardset, token_budget=budget, verify="none", world_size=2, rank=0)
+    costs = [b.numpy("cost") for b in UserwiseLoader(ds)]
+    assert any(len(c) == 1 and c[0] > budget for c in costs)  # the fixture has oversize samples
+    for c in costs:
+        assert c.sum() <= budget or len(c) == 1
+    for c in costs:  # cost is events + impressions
+        pass
+    b = next(iter(UserwiseLoader(UserwiseDataset(shardset, token_budget=budget, verify="none", world_size=1, rank=0))))
+    ev = b.numpy("seq.offsets")[-1]
+    assert b.numpy("cost").sum() == ev + b.num_impressions
+
+
+def test_jagged_structure_points_into_the_sequence(shardset):
+    ds = UserwiseDataset(shardset, batch_size=32, verify="none", world_size=1, rank=0)
+    rows = {r["sample_id"]: r for r in all_rows(shardset).to_pylist()}
+    for b in UserwiseLoader(ds):
+        so, ro, io = b.numpy("seq.offsets"), b.numpy("req.offsets"), b.numpy("imp.offsets")
+        req_sample, imp_req = b.numpy("req.sample"), b.numpy("imp.req")
+        for i, sid in enumerate(b.numpy("sample_id")):
+            r = rows[int(sid)]
+            assert b.numpy("seq_item")[so[i]:so[i + 1]].tolist() == r["seq_item"]
+            assert b.numpy("req_seq_end")[ro[i]:ro[i + 1]].tolist() == r["req_seq_end"]
+            assert b.numpy("imp__item_id")[io[i]:io[i + 1]].tolist() == r["imp__item_id"]
+            assert (req_sample[ro[i]:ro[i + 1]] == i).all()
+            assert (req_sample[imp_req[io[i]:io[i + 1]]] == i).all()
+        assert np.all(np.diff(imp_req) >= 0)
+
+
+def expand_rows_python(row: dict, roles: dict) -> list[dict]:
+    """An independent, plain-Python expansion of one sample row."""
+    out, k = [], 0
+    imp_cols = [c for c in row if c.startswith("imp__")]
+    req_cols = [c for c in row if c.startswith("req__")]
+    seq_cols = [c for c in row if c.startswith("seq_") and isinstance(row[c], list)]
+    for r in range(row["num_requests"]):
+        b, e = row["req_seq_begin"][r], row["req_seq_end"][r]
+        for _ in range(row["req_num_imps"][r]):
+            d = {roles["user"]: row["user"]}
+            d.update({c[5:]: row[c][r] for c in req_cols})
+            d.update({c[5:]: row[c][k] for c in imp_cols})
+            d.update({c: row[c][b:e] for c in seq_cols})
+            out.append(d)
+            k += 1
+    return out
+
+
+def test_expand_batch_matches_plain_python_expansion(shardset):
+    man = json.load(open(os.path.join(shardset, "manifest.json")))
+    rows = {r["sample_id"]: r for r in all_rows(shardset).to_pylist()}
+    ds = UserwiseDataset(shardset, batch_size=24, verify="none", world_size=1, rank=0)
+    n = 0
+    for b in UserwiseLoader(ds, num_workers=1):
+        got = expand_batch(b)
+        want = [x for sid in b.numpy("sample_id") for x in expand_rows_python(rows[int(sid)], man["roles"])]
+        assert got.to_pylist() == want
+        assert got.schema.names[:16] == man["roles"]["input_columns"]
+        n += got.num_rows
+    assert n == sum(s["impressions"] for s in man["shards"])
+    assert any(r["score"] is None for r in got.to_pylist())  # nulls survive
+
+
+def test_batch_memory_methods_on_cpu(shardset):
+    b = next(iter(UserwiseLoader(UserwiseDataset(shardset, batch_size=8, verify="none", world_size=1, rank=0))))
+    assert isinstance(b, JaggedBatch) and b.buffer.dtype == torch.uint8 and b.buffer.dim() == 1
+    assert b.to("cpu", non_blocking=True) is b
+    assert b.record_stream(None) is b
+    for _, _, off, _ in b.spec:
+        assert off % 64 == 0  # every array aligned: one buffer, typed views
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        p = b.pin_memory()
+        assert p.is_pinned()
+        d = p.to("cuda", non_blocking=True)
+        assert torch.equal(d["seq_item"].cpu(), b["seq_item"])
+    else:
+        with pytest.raises(RuntimeError):
+            b.pin_memory()
+
+
+def test_stats_count_samples_events_and_wait_share(shardset):
+    ld = UserwiseLoader(UserwiseDataset(shardset, batch_size=16, verify="none", world_size=1, rank=0))
+    for _ in ld:
+        pass
+    s = ld.stats.summary()
+    t = all_rows(shardset)
+    assert s["samples"] == t.num_rows
+    assert s["events"] == int(np.asarray(t["seq_len"]).sum())
+    assert s["impressions"] == int(np.asarray(t["num_impressions"]).sum())
+    assert s["samples_per_s"] > 0 and s["bytes_per_s"] > 0 and 0 < s["wait_share"] <= 1
+
+
+def test_data_path_said_once(shardset, caplog):
+    from userwise.pipelines.loader import dataset as dsmod
+
+    dsmod._SAID.clear()
+    with caplog.at_level(logging.INFO, logger="userwise.loader"):
+        UserwiseDataset(shardset, verify="none", world_size=1, rank=0, device="cpu")
+        UserwiseDataset(shardset, verify="none", world_size=1, rank=0, device="cpu")
+    msgs = [r.getMessage() for r in caplog.records if "data path" in r.getMessage()]
+    assert len(msgs) == 1 and "parquet" in msgs[0]
+
+
+# -- bad shards: clear errors naming the file, before training -----------------
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_missing_manifest_and_missing_file(shardset, tmp_path):
+    root = _copy(shardset, tmp_path / "a")
+    os.remove(os.path.join(root, "node=0/shard-00003.parquet"))
+    with pytest.raises(ShardError, match=r"shard-00003\.parquet: missing"):
+        UserwiseDataset(root)
+    os.remove(os.path.join(root, "manifest.json"))
+    with pytest.raises(ShardError, match=r"manifest\.json: (missing|no manifest)"):
+        UserwiseDataset(root)
+
+
+def test_checksum_mismatch_names_the_file(shardset, tmp_path):
+    root = _copy(shardset, tmp_path / "b")
+    p = os.path.join(root, "node=0/shard-00001.parquet")
+    data = bytearray(open(p, "rb").read())
+    data[200] ^= 0xFF  # same size, different content
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(ShardError, match=r"shard-00001\.parquet: checksum mismatch"):
+        UserwiseDataset(root)
+    UserwiseDataset(root, verify="size")  # the size still matches: only the checksum catches it
+
+
+def test_schema_differing_from_manifest_names_the_file(shardset, tmp_path):
+    root = _copy(shardset, tmp_path / "c")
+    man = json.load(open(os.path.join(root, "manifest.json")))
+    rel = "node=0/shard-00002.parquet"
+    p = os.path.join(root, rel)
+    t = pq.read_table(p)
+    t = t.set_column(t.schema.get_field_index("seq_item"), "seq_item", t["seq_item"].cast(pa.list_(pa.int32())))
+    pq.write_table(t, p, row_group_size=8)
+    for s in man["shards"]:
+        if s["path"] == rel:  # size and checksum agree: only the schema is wrong
+            s["bytes"], s["sha256"] = os.path.getsize(p), sha256(p)
+    json.dump(man, open(os.path.join(root, "manifest.json"), "w"))
+    with pytest.raises(ShardError, match=r"shard-00002\.parquet: schema differs from the manifest"):
+        UserwiseDataset(root)
+
+
+def test_newer_format_refused(shardset, tmp_path):
+    root = _copy(shardset, tmp_path / "d")
+    man = json.load(open(os.path.join(root, "manifest.json")))
+    man["format_version"] = 99
+    json.dump(man, open(os.path.join(root, "manifest.json"), "w"))
+    with pytest.raises(ShardError, match="newer"):
+        UserwiseDataset(root)
+
+
+def test_loader_never_imports_pyspark(shardset):
+    code = (
+        "import sys\n"
+        "from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch\n"
+        "from userwise.pipelines.loader import diagnose\n"
+        "from userwise.pipelines import gds\n"
+        f"ds = UserwiseDataset({shardset!r}, batch_size=16, world_size=1, rank=0)\n"
+        "b = [expand_batch(x) for x in UserwiseLoader(ds, num_workers=1)]\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'delta'))\n"
+        "print('BAD', bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_two_node_set_reads_only_its_node(tmp_path):
+    root = str(tmp_path)
+    man = write_shard_set(root, nodes=2, ranks_per_node=2, row_group_rows=8,
+                          sets=(("incremental", "2026-01-04", "2026-01-05", 60),))
+    with pytest.raises(ShardError, match="pass node="):
+        UserwiseDataset(root)
+    for node in (0, 1):
+        got = run(root, 2, node=node, batch_size=8)
+        ids = sorted(i for v in got.values() for b in v for i in b)
+        assert ids == sorted(all_rows(root, node).column("sample_id").to_pylist())
