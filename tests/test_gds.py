@@ -1,0 +1,102 @@
+"""GDS side files: format, host reads, the loader's fallback and side-file path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from userwise.pipelines import gds
+from userwise.pipelines.errors import ShardError
+from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+from userwise.pipelines.loader import dataset as dsmod
+
+from .shardgen import write_shard_set
+
+
+@pytest.fixture(scope="module")
+def gdsset(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gds"))
+    write_shard_set(root, nodes=1, ranks_per_node=2, row_group_rows=8, gds=True,
+                    sets=(("incremental", "2026-01-04", "2026-01-05", 60),))
+    return root
+
+
+def test_side_file_layout_and_round_trip(gdsset):
+    man = json.load(open(os.path.join(gdsset, "manifest.json")))
+    s = man["shards"][0]
+    path = os.path.join(gdsset, s["gds_path"])
+    raw = open(path, "rb").read()
+    assert raw[-8:] == gds.MAGIC and len(raw) == s["gds_bytes"]
+    n = struct.unpack("<Q", raw[-16:-8])[0]
+    idx = json.loads(raw[-16 - n:-16])
+    assert idx == gds.read_index(path) and idx["format_version"] == 1
+    pf = pq.ParquetFile(os.path.join(gdsset, s["path"]))
+    assert len(idx["row_groups"]) == pf.num_row_groups
+    for i, rg in enumerate(idx["row_groups"]):
+        t = pf.read_row_group(i)
+        assert rg["rows"] == t.num_rows
+        for e in rg["columns"].values():
+            for k in ("values", "offsets", "str_offsets", "validity"):
+                if e.get(k):
+                    assert e[k][0] % 4096 == 0
+        got = gds.read_host(path, i, index=idx)
+        for name in ("seq_item", "req_seq_end", "imp__click", "user", "imp__score"):
+            v, o = got[name]
+            col = t.column(name).combine_chunks()
+            if o is None:
+                assert v.tolist() == col.to_pylist()
+            else:
+                assert o[0] == 0 and len(o) == t.num_rows + 1
+                flat = pa.compute.list_flatten(col)
+                want = flat.fill_null(0).to_pylist()
+                assert np.allclose(v, want)
+        v, o, so = got["req_id"]
+        strings = [bytes(v[so[j]:so[j + 1]]).decode() for j in range(len(so) - 1)]
+        assert strings == pa.compute.list_flatten(t.column("req_id")).to_pylist()
+        assert e["dtype"] in ("<i8", "<i4", "|i1", "<f4", "|u1")
+
+
+def test_write_from_table_and_bad_files(tmp_path):
+    t = pa.table({"a": pa.array([[1, 2], [], [3]], pa.list_(pa.int64())), "d": pa.array([1, 2, 3], pa.date32()),
+                  "s": pa.array(["x", None, "zz"])})
+    p = str(tmp_path / "t.gds")
+    info = gds.write_side_file(t, p)
+    assert info["bytes"] == os.path.getsize(p) and len(info["sha256"]) == 64
+    got = gds.read_host(p, 0)
+    assert got["a"][0].tolist() == [1, 2, 3] and got["a"][1].tolist() == [0, 2, 2, 3]
+    assert got["d"][0].dtype == np.dtype("<i4") and got["d"][0].tolist() == [1, 2, 3]
+    assert "validity" in gds.read_index(p)["row_groups"][0]["columns"]["s"]
+    open(tmp_path / "bad.gds", "wb").write(b"x" * 40)
+    with pytest.raises(ShardError, match="bad.gds: not a GDS side file"):
+        gds.read_index(str(tmp_path / "bad.gds"))
+    with pytest.raises(ShardError, match="missing"):
+        gds.read_index(str(tmp_path / "none.gds"))
+
+
+def test_loader_falls_back_on_cpu_and_says_so_once(gdsset, caplog):
+    dsmod._SAID.clear()
+    with caplog.at_level(logging.INFO, logger="userwise.loader"):
+        ds = UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu")
+        UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu")
+    assert ds.data_path == "parquet"
+    msgs = [r.getMessage() for r in caplog.records if "data path" in r.getMessage()]
+    assert len(msgs) == 1 and "no GPU" in msgs[0]
+
+
+def test_side_file_path_gives_the_same_batches_as_parquet(gdsset):
+    kw = dict(world_size=2, rank=1, batch_size=8, seed=2, verify="none")
+    a = [b for b in UserwiseLoader(UserwiseDataset(gdsset, gds=False, **kw))]
+    g = UserwiseDataset(gdsset, gds="host", **kw)
+    assert g.data_path == "gds-host"
+    b = [x for x in UserwiseLoader(g)]
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.spec == y.spec
+        assert bytes(x.buffer.numpy()) == bytes(y.buffer.numpy())
