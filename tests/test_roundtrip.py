@@ -1,0 +1,331 @@
+"""Acceptance: build -> expand reproduces the input exactly (DESIGN.md "Lossless round trip").
+
+Each case builds one edge log (tests/edgegen.py) once through the product's CLI and
+checks it against the independent oracle (tests/oracle.py), the ground truth of the
+quarantine, the report, and the samples table's invariants read straight from Delta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from tests import edgegen as E
+from tests import oracle as O
+from userwise import schemas
+from userwise.pipelines import cli
+
+# window settings: name -> (M = --pretrain-days, N = --window-days), as-of 2026-03-06, data from 03-01
+WINDOWS = {
+    "pretrain": (0, 1),  # M=0: everything before as-of is pretrain
+    "incremental": (6, 2),  # as-of - 6 days = 02-28 falls before all impressions: no pretrain requests
+    "both": (4, 2),  # pretrain before 03-02, windows [03-02, 03-04) and [03-04, 03-06)
+    "daily": (3, 1),  # N=1: pretrain before 03-03, windows 03-03, 03-04, 03-05
+}
+# Spark builds are slow (minutes each on a shared 2-core box): every window setting runs on the
+# richest log (lean + action log), every other variant once, each on a different setting.
+CASES = [("actions", w) for w in WINDOWS] + [("lean", "both"), ("fat", "daily"), ("nan", "pretrain")]
+IDS = [f"{v}-{w}" for v, w in CASES]
+
+
+@dataclass
+class Built:
+    log: E.EdgeLog
+    M: int
+    N: int
+    out: Path
+    rc: int
+    stderr: str
+    report: dict | None
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main([str(a) for a in argv])
+    return rc, err.getvalue()
+
+
+def build_argv(log: E.EdgeLog, out: Path, M: int, N: int, cfg: dict | None = None) -> list:
+    cfg_path = E.write_config(cfg or log.config, out.parent / f"{out.name}.yaml")
+    argv = ["build", "--config", cfg_path, "--input", log.impressions, "--output", out, "--as-of", log.as_of,
+            "--pretrain-days", M, "--window-days", N, "--report", out.parent / f"{out.name}.json"]
+    if log.actions:
+        argv += ["--actions", log.actions]
+    return argv
+
+
+def read_delta(spark, path) -> pl.DataFrame:
+    try:
+        from deltalake import DeltaTable
+
+        return pl.from_arrow(DeltaTable(str(path)).to_pyarrow_table())
+    except Exception:  # a Delta feature delta-rs cannot read: fall back to Spark
+        return pl.from_arrow(spark.read.format("delta").load(str(path)).toArrow())
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("edge")
+    return {
+        "lean": E.make_lean(d / "lean"),
+        "actions": E.make_lean(d / "actions", actions=True),
+        "fat": E.make_fat(d / "fat"),
+        "nan": E.make_lean(d / "nan", float_labels=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def builder(spark, logs, tmp_path_factory):
+    """case -> Built, each case built once per module (the CLI reuses the active session)."""
+    cache: dict = {}
+
+    def get(variant: str, window: str) -> Built:
+        key = (variant, window)
+        if key not in cache:
+            log = logs[variant]
+            M, N = WINDOWS[window]
+            out = tmp_path_factory.mktemp(f"build-{variant}-{window}") / "out"
+            rc, err = run_cli(build_argv(log, out, M, N))
+            rp = out.parent / "out.json"
+            report = json.loads(rp.read_text()) if rp.exists() else None
+            cache[key] = Built(log, M, N, out, rc, err, report)
+        b = cache[key]
+        assert b.rc == 0, f"build failed (rc {b.rc}): {b.stderr}"
+        return b
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expander(builder):
+    cache: dict = {}
+
+    def get(variant: str, window: str, max_seq_len: int | None = None) -> pl.DataFrame:
+        key = (variant, window, max_seq_len)
+        if key not in cache:
+            b = builder(variant, window)
+            dest = b.out.parent / f"expanded-{max_seq_len or 'L'}"
+            argv = ["expand", "--samples", b.out, "--output", dest]
+            if max_seq_len:
+                argv += ["--max-seq-len", max_seq_len]
+            rc, err = run_cli(argv)
+            assert rc == 0, f"expand failed (rc {rc}): {err}"
+            cache[key] = O.read_parquet_dir(dest)
+        return cache[key]
+
+    return get
+
+
+def oracle_for(log: E.EdgeLog, max_seq_len: int | None = None) -> pl.DataFrame:
+    if log.fat:
+        return O.expected_fat(log.impressions, log.config, log.as_of, log.rejected)
+    return O.expected_pointwise(log.impressions, log.config, log.as_of, log.rejected,
+                                actions_path=log.actions, max_seq_len=max_seq_len,
+                                rejected_actions=[r for r, _ in log.rejected_actions])
+
+
+def assert_same_rows(got: pl.DataFrame, want: pl.DataFrame, log: E.EdgeLog) -> None:
+    inputs = O.read_parquet_dir(log.impressions).columns
+    n = len(inputs)
+    assert got.columns[:n] == inputs, f"input columns must come back first, in input order: {got.columns}"
+    assert sorted(got.columns[n:]) == sorted(O.seq_columns(log.config)), got.columns[n:]
+    diff = O.frame_diff(got.select(want.columns), want)
+    assert diff == [], "\n".join(diff)
+
+
+# --------------------------------------------------------------------------
+# the round trip
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_roundtrip_matches_oracle(case, expander, builder):
+    log = builder(*case).log
+    assert_same_rows(expander(*case), oracle_for(log), log)
+
+
+@pytest.mark.parametrize("case", [("lean", "both"), ("actions", "daily")], ids=["lean-both", "actions-daily"])
+def test_expand_shorter_max_seq_len_keeps_newest(case, expander, builder):
+    log = builder(*case).log
+    assert_same_rows(expander(*case, max_seq_len=3), oracle_for(log, max_seq_len=3), log)
+
+
+def test_expand_longer_max_seq_len_is_an_error(builder, tmp_path):
+    b = builder("actions", "both")
+    rc, err = run_cli(["expand", "--samples", b.out, "--output", tmp_path / "x",
+                       "--max-seq-len", b.log.config["max_seq_len"] + 1])
+    assert rc == 2
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------
+# report and quarantine
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_report_reconciles(case, builder):
+    b = builder(*case)
+    assert b.report is not None, "--report was given: the JSON report must be written"
+    assert O.reconcile(b.report, b.log) == []
+    for k, v in b.log.planted.items():  # fat: overrides, leaking_snapshots, null_snapshots
+        assert b.report.get(k) == v, (k, b.report.get(k), v)
+
+
+def _input_row(input_file: str, input_row: int) -> dict:
+    p = unquote(input_file[len("file:"):]) if input_file.startswith("file:") else input_file
+    while p.startswith("//"):
+        p = p[1:]
+    t = pq.read_table(p)
+    return t.slice(input_row, 1).to_pylist()[0]
+
+
+QCASES = [("actions", "both"), ("lean", "both"), ("fat", "daily"), ("nan", "pretrain")]
+
+
+@pytest.mark.parametrize("case", QCASES, ids=[f"{v}-{w}" for v, w in QCASES])
+def test_quarantine_holds_exactly_the_rejected_rows(case, builder, spark):
+    b = builder(*case)
+    log = b.log
+    q = read_delta(spark, b.out / "quarantine")
+    assert set(schemas.QUARANTINE.names) <= set(q.columns), q.columns
+    assert set(q["source"]) <= {"impressions", "actions"}
+    imp = q.filter(pl.col("source") == "impressions")
+    inputs = O.read_parquet_dir(log.impressions)
+    by_uid = {r["row_uid"]: r for r in inputs.iter_rows(named=True)}
+    got = Counter()
+    for rec in imp.iter_rows(named=True):
+        row = json.loads(rec["row"])
+        assert set(inputs.columns) <= set(row), f"quarantined row JSON lacks columns: {set(inputs.columns) - set(row)}"
+        uid = row["row_uid"]
+        got[(uid, rec["reason"])] += 1
+        src = by_uid[uid]
+        for c in ("user_id", "request_id", "request_ts", "item_id", "position"):
+            assert row[c] == src[c], (uid, c, row[c], src[c])
+        col = E.REASONS.get(rec["reason"])
+        if rec["reason"].startswith("null_") or rec["reason"] in ("bad_label", "time_out_of_range",
+                                                                  "action_before_request"):
+            assert rec["column"] == col, (rec["reason"], rec["column"])
+        if src["request_ts"] is not None:
+            assert rec["date"] == E.date_of(src["request_ts"]), (uid, rec["date"])
+        assert rec["input_file"] and rec["input_row"] is not None and rec["input_row"] >= 0
+        assert _input_row(rec["input_file"], rec["input_row"])["row_uid"] == uid
+    assert got == Counter(log.quarantined)
+
+    acts = q.filter(pl.col("source") == "actions")
+    got_a = Counter()
+    for rec in acts.iter_rows(named=True):
+        row = json.loads(rec["row"])
+        got_a[(row.get("uid"), row.get("iid"), row.get("ts"), rec["reason"])] += 1
+    assert got_a == Counter((r["uid"], r["iid"], r["ts"], reason) for r, reason in log.rejected_actions)
+
+
+def test_quarantine_share_limit_fails_the_build(spark, logs, tmp_path):
+    log = logs["lean"]
+    share = len(log.quarantined) / log.rows_read
+    assert share > 0.02
+    cfg = dict(log.config, max_quarantine_share=0.01)
+    rc, err = run_cli(build_argv(log, tmp_path / "out", 4, 2, cfg=cfg))
+    assert rc == 2
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert "share" in err
+
+
+# --------------------------------------------------------------------------
+# the samples table, read from Delta directly
+# --------------------------------------------------------------------------
+def _ms(d) -> int:
+    return E.ms(d if isinstance(d, dt.date) else dt.date.fromisoformat(d))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_samples_invariants(case, builder, spark):
+    b = builder(*case)
+    log, L, cap = b.log, b.log.config["max_seq_len"], b.log.config["max_sample_cost"]
+    s = read_delta(spark, b.out / "samples")
+    seq_cols = [c for c in s.columns if c.startswith("seq_") and c != "seq_len"]
+    imp_cols = [c for c in s.columns if c.startswith("imp__")]
+    req_cols = [c for c in s.columns if c.startswith("req_") and not c.startswith("req__")]
+    assert "imp__row_uid" in imp_cols and seq_cols and req_cols
+    assert set(s["format_version"]) == {schemas.FORMAT_VERSION}
+    assert s["sample_id"].n_unique() == s.height
+
+    as_of = dt.date.fromisoformat(log.as_of)
+    cut = as_of - dt.timedelta(days=b.M)
+    kinds = set(s["kind"])
+    if b.M == 0:
+        assert kinds == {"pretrain"}
+    elif b.M >= 6:
+        assert kinds == {"incremental"}
+    else:
+        assert kinds == {"pretrain", "incremental"}
+
+    uids, req_ids = Counter(), Counter()
+    for r in s.iter_rows(named=True):
+        n_req, n_imp, n_seq = r["num_requests"], r["num_impressions"], r["seq_len"]
+        where = f"sample user={r['user']} kind={r['kind']} window_end={r['window_end']} chunk={r['chunk']}"
+        for c in seq_cols:
+            assert len(r[c]) == n_seq, (where, c)
+        for c in req_cols:
+            assert len(r[c]) == n_req, (where, c)
+        for c in imp_cols:
+            assert len(r[c]) == n_imp, (where, c)
+        assert sum(r["req_num_imps"]) == n_imp, where
+        ovr = len(r.get("ovr_" + seq_cols[0][len("seq_"):]) or [])  # override events (fat)
+        assert r["cost"] == n_seq + ovr + n_imp, where
+        if n_req > 1:
+            assert r["cost"] <= cap, where
+        keys = list(zip(r["req_time"], r["req_id"]))
+        assert keys == sorted(keys), f"{where}: requests not sorted by (req_time, req_id)"
+        # windows
+        ws, we = r["window_start"], r["window_end"]
+        assert all(_ms(ws) <= t < _ms(we) for t in r["req_time"]), where
+        if r["kind"] == "incremental":
+            assert (we - ws).days == b.N and cut < we <= as_of, where
+        else:
+            assert we == cut, where
+        # pointers
+        begins, ends = r["req_seq_begin"], r["req_seq_end"]
+        assert all(0 <= x <= y <= n_seq for x, y in zip(begins, ends)), where
+        if log.fat:
+            kinds_ = r["req_snapshot"]
+            sl = [(x, y) for x, y, k in zip(begins, ends, kinds_) if k == 0]
+        else:
+            sl = list(zip(begins, ends))
+            assert all(y - x <= L for x, y in sl), where
+            ts = r["seq_ts"]
+            assert ts == sorted(ts), f"{where}: stored sequence not in time order"
+        if sl:
+            assert min(x for x, _ in sl) == 0 and max(y for _, y in sl) == n_seq, \
+                f"{where}: stored sequence is not exactly the visible slices"
+        else:
+            assert n_seq == 0, where
+        uids.update(r["imp__row_uid"])
+        req_ids.update(r["req_id"])
+    assert uids == Counter(log.expected_uids), "every accepted impression before as-of exactly once"
+    assert max(req_ids.values()) == 1, "a request in two samples"
+
+    chunks = s.group_by("kind", "window_end", "user").agg(pl.col("chunk").sort().alias("c"))
+    for row in chunks.iter_rows(named=True):
+        assert row["c"] == list(range(len(row["c"]))), row
+    heavy = chunks.filter(pl.col("user") == log.heavy_user)
+    assert heavy["c"].list.len().max() > 1, "the heavy user must be split into chunks"
+
+    if log.fat:
+        snaps = Counter(k for ks in s["req_snapshot"] for k in ks)
+        assert snaps[1] == log.planted["overrides"] and snaps[2] == log.planted["null_snapshots"], snaps
+
+
+def test_build_output_layout(builder):
+    b = builder("actions", "both")
+    for t in ("samples", "quarantine"):
+        assert os.path.isdir(b.out / t / "_delta_log"), t
