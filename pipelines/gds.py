@@ -102,7 +102,10 @@ def column_arrays(col: pa.Array | pa.ChunkedArray) -> dict | None:
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         if not _supported(t.value_type):
             return None
-        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        lengths = pc.list_value_length(col)
+        if lengths.null_count:
+            lengths = pc.fill_null(lengths, 0)
+        lengths = lengths.to_numpy(zero_copy_only=False).astype(np.int64)
         offsets = np.zeros(len(col) + 1, "<i8")
         np.cumsum(lengths, out=offsets[1:])
         col = pc.list_flatten(col)

@@ -106,18 +106,24 @@ def check_groups(cols: dict[str, Col], where: str) -> None:
         if g in ("seq", "req", "imp"):
             if g not in first:
                 first[g] = (name, c.offsets)
-            elif not torch.equal(first[g][1], c.offsets):
+            elif not _equal(first[g][1], c.offsets):
                 raise ShardError(f"{where}: list column {name!r} is not parallel to {first[g][0]!r} "
                                  "(different lengths per sample); rebuild the shard")
     if "req_num_imps" in cols and "imp" in first:
         rni = cols["req_num_imps"]
-        per_sample = torch.zeros(len(rni.offsets) - 1, dtype=torch.long, device=rni.values.device)
-        counts = rni.offsets[1:] - rni.offsets[:-1]
-        sample_of = repeat(torch.arange(len(per_sample), device=rni.values.device), counts, int(counts.sum()))
-        per_sample.index_add_(0, sample_of, rni.values.long())
+        ro = rni.offsets.long()
+        csum = torch.zeros(len(rni.values) + 1, dtype=torch.long, device=rni.values.device)
+        torch.cumsum(rni.values.long(), 0, out=csum[1:])
+        per_sample = csum[ro[1:]] - csum[ro[:-1]]
         imp_off = first["imp"][1]
-        if not torch.equal(per_sample, (imp_off[1:] - imp_off[:-1]).long()):
+        if not _equal(per_sample, (imp_off[1:] - imp_off[:-1]).long()):
             raise ShardError(f"{where}: req_num_imps does not add up to the impressions of each sample; rebuild the shard")
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "cpu":  # numpy: no intra-op thread pool (see batch._ranges)
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return bool(torch.equal(a, b))
 
 
 def _group_of(name: str, c: Col) -> str:
@@ -130,6 +136,11 @@ def _group_of(name: str, c: Col) -> str:
     if name.startswith("req__") or name in REQ_LISTS:
         return "req"
     return "list"
+
+
+_ESIZE = {t: torch.empty((), dtype=t).element_size() for t in
+          (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+           torch.float16, torch.float32, torch.float64)}
 
 
 def _align(n: int) -> int:
@@ -199,12 +210,12 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
 
     spec, pos = [], 0
     for name, dt, numel, _ in plan:
-        size = torch.empty((), dtype=dt).element_size() * numel
+        size = _ESIZE[dt] * numel
         spec.append((name, dtype_name(dt), pos, numel))
         pos = _align(pos + size)
     buf = alloc(max(pos, ALIGN))
     for (name, dt, numel, fill), (_, _, off, _) in zip(plan, spec):
-        size = torch.empty((), dtype=dt).element_size() * numel
+        size = _ESIZE[dt] * numel
         if numel:
             fill(buf[off: off + size].view(dt))
         end = _align(off + size)

@@ -1,0 +1,128 @@
+"""GPU check (under 5 minutes on one GPU): pinned vs pageable H2D, prefetch overlap, the GDS path.
+
+    python benchmarks/gpu_check.py [--mb 256] [--samples 4000] [--out DIR]
+
+Without a CUDA device it prints a message and exits 0. Every stage has a
+time cap; results print as lines and (with --out) a JSON file.
+1. H2D bandwidth of one contiguous buffer: pageable vs pinned (GB/s).
+2. Prefetch overlap: a fixed GPU compute per batch with the loader at
+   prefetch 1 vs 4 (wait share and batches/s), on a synthetic shard set.
+3. GDS: the same shard set with side files; the data path taken (gds when
+   kvikio + cuFile work, else the fallback), its rate, and byte-equality of
+   its first batches with the Parquet path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def h2d(torch, mb: int, reps: int = 20) -> dict:
+    n = mb << 20
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, pin in (("pageable", False), ("pinned", True)):
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+        src.fill_(1)
+        dev.copy_(src, non_blocking=pin)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            dev.copy_(src, non_blocking=pin)
+        torch.cuda.synchronize()
+        out[f"{name}_GBps"] = reps * n / (time.perf_counter() - t) / 1e9
+    out["pinned_over_pageable"] = out["pinned_GBps"] / out["pageable_GBps"]
+    return out
+
+
+def overlap(torch, root: str, batch_size: int, workers: int) -> dict:
+    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+
+    a = torch.randn(2048, 2048, device="cuda")
+    out = {}
+    for pf in (1, 4):
+        ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds=False)
+        ld = UserwiseLoader(ds, num_workers=workers, device="cuda", prefetch=pf)
+        t = time.perf_counter()
+        n = 0
+        for b in ld:
+            for _ in range(4):  # fixed compute per batch
+                a = (a @ a).clamp_(-1, 1)
+            b["seq_item"].sum()
+            n += 1
+            if time.perf_counter() - t > 60:
+                break
+        torch.cuda.synchronize()
+        s = ld.stats.summary()
+        out[f"prefetch{pf}"] = {"batches_per_s": n / (time.perf_counter() - t), "wait_share": s["wait_share"],
+                                "bytes_per_s": s["bytes_per_s"]}
+    return out
+
+
+def gds_path(torch, root: str, batch_size: int) -> dict:
+    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+
+    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds="auto", device="cuda")
+    ref = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds=False, device="cuda")
+    t = time.perf_counter()
+    ld = UserwiseLoader(ds, device="cuda")
+    first, n = [], 0
+    for b in ld:
+        if len(first) < 3:
+            first.append(b)
+        n += b.num_samples
+        if time.perf_counter() - t > 60:
+            break
+    torch.cuda.synchronize()
+    rate = n / (time.perf_counter() - t)
+    same = all(bytes(x.buffer.cpu().numpy()) == bytes(y.buffer.cpu().numpy())
+               for x, y in zip(first, UserwiseLoader(ref, device="cuda")))
+    return {"data_path": ds.data_path, "samples_per_s": rate, "first_batches_equal_parquet": same}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--samples", type=int, default=4000)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device on this machine; nothing to measure (run it on a GPU machine)")
+        return 0
+    from tests.shardgen import write_shard_set
+
+    res = {"device": torch.cuda.get_device_name(0)}
+    t0 = time.perf_counter()
+    res["h2d"] = h2d(torch, a.mb)
+    print("h2d:", json.dumps(res["h2d"]), flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        n = a.samples
+        write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=256, gds=True,
+                        sets=(("incremental", "2026-01-04", "2026-01-05", n),))
+        res["overlap"] = overlap(torch, root, a.batch_size, a.workers)
+        print("overlap:", json.dumps(res["overlap"]), flush=True)
+        res["gds"] = gds_path(torch, root, a.batch_size)
+        print("gds:", json.dumps(res["gds"]), flush=True)
+    res["total_s"] = time.perf_counter() - t0
+    print(f"gpu_check: done in {res['total_s']:.0f}s")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
