@@ -244,8 +244,7 @@ class UserwiseDataset(IterableDataset):
         cols = decode.from_gds(parts, arrow)
         for n in cols:
             if any(n in vp for vp in valid_parts):
-                vs = [vp.get(n) if n in vp else np.ones(len(p[n][0]) if p[n][1] is None or "str_offsets" not in rg["columns"][n]
-                                                          else len(p[n][-1]) - 1, np.uint8)
+                vs = [vp[n] if n in vp else np.ones(len(p[n][2]) - 1 if len(p[n]) == 3 else len(p[n][0]), np.uint8)
                       for vp, p in zip(valid_parts, parts)]
                 cols[n].validity = torch.from_numpy(np.concatenate(vs)).to(cols[n].values.device)
         return cols

@@ -194,6 +194,8 @@ class UserwiseLoader:
         self.epoch, self.cursor = epoch + 1, 0
 
     def _alloc(self):
+        if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there
+            return lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)
         if self._pool is None or self.num_workers:
             return None
         holder = self._last_pinned = []
@@ -262,6 +264,9 @@ class UserwiseLoader:
         side = torch.cuda.Stream(device=self.device)
         inflight: collections.deque = collections.deque()
         for b in host:
+            if b.device == self.device:  # GDS path: assembled on the device already
+                yield b
+                continue
             if self.pin:
                 if self.num_workers == 0 and self._last_pinned:
                     pinned = self._last_pinned.pop()
