@@ -25,7 +25,7 @@ from .samplegen import BOT, layout, make_samples, write_build
 
 pytestmark = pytest.mark.spark
 NODES, RANKS, SEED = 2, 2, 7
-KW = dict(nodes=NODES, ranks_per_node=RANKS, seed=SEED, target_shard_mb=0.05, row_group_rows=8)
+KW = dict(nodes=NODES, ranks_per_node=RANKS, seed=SEED, row_group_rows=8)  # one shard per rank: few tasks
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,7 @@ def test_manifest_contract(built, spark):
         assert len(s["sha256"]) == 64 and s["gds_path"] is None
     nums = sorted(int(s["path"][-13:-8]) for s in m["shards"])
     assert nums == list(range(len(nums)))
-    # several shards per rank (target 0.05 MB) and row groups of at most 8 rows
-    assert all(s["shards_per_rank"] > 1 for s in m["sets"])
+    assert all(s["shards_per_rank"] == 1 for s in m["sets"])
     assert mf.verify(out)["files"] == len(m["shards"])
 
 
@@ -158,8 +157,10 @@ def test_assign_spark_agrees_with_balance(spark):
                 (p["index"][i], p["slot"][i], p["node"][i], p["rank"][i], p["order"][i])
 
 
-def test_cli_one_window_same_bytes_other_shuffle(built, spark, tmp_path, capsys):
+def test_cli_one_window_several_shards_per_rank(built, spark, tmp_path, capsys):
     d, table, out, m = built
+    win = table.filter(pa.compute.equal(table.column("window_end"), pa.scalar(
+        __import__("datetime").date(2026, 1, 3), pa.date32())))
     old = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "3")
     try:
@@ -174,9 +175,14 @@ def test_cli_one_window_same_bytes_other_shuffle(built, spark, tmp_path, capsys)
     assert json.loads(cap.out)["sets"][0]["id"] == "incremental/2026-01-03"
     w = mf.load(str(tmp_path / "W"))
     assert [s["id"] for s in w["sets"]] == ["incremental/2026-01-03"]
-    # a set's shards do not depend on the other sets nor on Spark's partitioning
-    assert [s["sha256"] for s in w["shards"]] == \
-        [s["sha256"] for s in m["shards"] if s["set"] == "incremental/2026-01-03"]
+    assert w["sets"][0]["shards_per_rank"] > 1
+    assert sum(s["rows"] for s in w["shards"]) == win.num_rows
+    # same bytes as the pure twin, whatever Spark's partitioning; the set's
+    # assignment does not depend on the other sets
+    twin = preshard.preshard_arrow(win, str(tmp_path / "T"), schema=schemas.shard_schema(layout()).to_arrow(),
+                                   **{**KW, "target_shard_mb": 0.05})
+    assert [(s["path"], s["sha256"]) for s in w["shards"]] == [(s["path"], s["sha256"]) for s in twin["shards"]]
+    assert w["sets"][0]["balance"] == next(s for s in m["sets"] if s["id"] == w["sets"][0]["id"])["balance"]
 
 
 def test_parquet_properties(built):
