@@ -87,8 +87,14 @@ def backfill(spark, cfg, *, date_from, date_to, input_path: str, output: str, ac
 
 
 def cli(args) -> int:
+    import os
+
     from . import config
     from .spark import get_spark
+
+    if not os.environ.get("PYSPARK_GATEWAY_PORT"):
+        # Local run (not under spark-submit): Python workers use this interpreter, which has pyarrow.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     days(args.date_from, args.date_to)  # fail on a bad range before starting Spark
     cfg = config.load(args.config)
