@@ -84,7 +84,12 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     q = ingest.quarantine_rows(now, canon.input_cols, "impressions")
     accepted = now.where(F.col("_reason").isNull())
     reqs = ingest.requests_frame(cfg, canon, accepted)
-    events = ingest.impression_events(cfg, canon, accepted)
+    if layout.fat:
+        from .fat import fat_events
+
+        events = fat_events(cfg, layout, reqs)
+    else:
+        events = ingest.impression_events(cfg, canon, accepted)
     quarantined = {r["_reason"]: int(r["count"]) for r in counts_rows if r["_reason"] is not None}
     counts = {
         "rows_read": sum(int(r["count"]) for r in counts_rows) + n_later,

@@ -34,7 +34,11 @@ def newest(cfg: Config, layout: Layout, events: DataFrame, H: int) -> DataFrame:
     """Per user, the newest H events as one history row (arrays in stream order)."""
     keys = S.sort_key(layout)
     cols = event_cols(layout)
-    e = events.select("user", *cols).withColumn("_sk", bucket_of(F.col(EV + "ts"), cfg))
+    e = events.select("user", *cols)
+    if layout.fat:
+        # Snapshot events repeat across days: identity is the full tuple (ev_pos = occurrence).
+        e = e.distinct()
+    e = e.withColumn("_sk", bucket_of(F.col(EV + "ts"), cfg))
     w1 = Window.partitionBy("user", "_sk").orderBy(*_ordered(layout, e, True))
     e = e.withColumn("_rn", F.row_number().over(w1)).where(F.col("_rn") <= H)
     w2 = Window.partitionBy("user").orderBy(*_ordered(layout, e, True))

@@ -124,6 +124,11 @@ def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame) -> DataF
     return j.where((F.col("idx") >= F.col("lo")) & (F.col("idx") < F.col("hi"))).drop("_ib")
 
 
+def _field(name: str):
+    """A one-argument lambda for F.transform (a second argument would be the index)."""
+    return lambda x: x[name]
+
+
 def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: DataFrame,
                 kind: str, window_start: dt.date, window_end: dt.date,
                 seq_map: dict[str, str], overrides: DataFrame | None = None) -> DataFrame:
@@ -174,7 +179,7 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
                                  lambda k: F.aggregate(F.slice(ovr, 1, k), F.lit(0),
                                                        lambda a, x: a + x["ol"]))).cast("array<int>")
             .alias(OVR + "offsets"),
-            *[F.flatten(F.transform(ovr, lambda x, j=j: x[f"o{j}"])).alias(OVR + sf.name)
+            *[F.flatten(F.transform(ovr, _field(f"o{j}"))).alias(OVR + sf.name)
               for j, sf in enumerate(layout.seq_fields)],
         ]
     r = g.select(*sel)
