@@ -1,0 +1,56 @@
+"""Shared helpers for the Airflow / backfill / cluster tests: a tiny generated log, table snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DAYS = ("2026-01-01", "2026-01-02", "2026-01-03")
+TABLES = ("requests", "events", "history", "samples", "quarantine")
+
+
+def synth(dest: Path, days: int = 3) -> Path:
+    """A tiny lean log (hive-partitioned by date) and its config under dest."""
+    if not (dest / "config.yaml").exists():
+        subprocess.run([sys.executable, "-m", "userwise.pipelines.cli", "synth", "--output", str(dest),
+                        "--days", str(days), "--users", "8", "--items", "100", "--impressions", "600",
+                        "--kinds", "lean", "--start", DAYS[0]], check=True, capture_output=True)
+    return dest
+
+
+def table_digest(output: str | Path, tables=TABLES) -> dict[str, str]:
+    """Order-free content digest of each Delta table's current version (delta-rs, no JVM)."""
+    from deltalake import DeltaTable
+
+    out = {}
+    for t in tables:
+        p = Path(output) / t
+        if not (p / "_delta_log").is_dir():
+            continue
+        tbl = DeltaTable(str(p)).to_pyarrow_table()
+        rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in tbl.to_pylist())
+        out[t] = hashlib.sha256("\n".join(rows).encode()).hexdigest()
+    return out
+
+
+def shard_digest(shards: str | Path) -> dict[str, str]:
+    """sha256 of every published shard file (manifest excluded: it names the source version)."""
+    out = {}
+    for p in sorted(Path(shards).rglob("*.parquet")):
+        if "_staging" not in p.parts:
+            out[str(p.relative_to(shards))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def env_with_spark_bin() -> dict[str, str]:
+    from userwise.pipelines.standalone import spark_home
+
+    env = dict(os.environ)
+    env["PATH"] = f"{spark_home() / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("PYSPARK_PYTHON", sys.executable)
+    return env
