@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -31,8 +32,11 @@ def build_wheel(dist: str | Path = "dist", project: str | Path = PROJECT) -> Pat
     dist.mkdir(parents=True, exist_ok=True)
     for old in glob.glob(str(dist / "userwise-*.whl")):
         Path(old).unlink()
+    had_build = (Path(project) / "build").exists()
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(dist), str(project)], capture_output=True, text=True)
+    if not had_build:  # setuptools leaves build/ in the project; not ours to keep
+        shutil.rmtree(Path(project) / "build", ignore_errors=True)
     wheels = glob.glob(str(dist / "userwise-*.whl"))
     if r.returncode != 0 or len(wheels) != 1:
         raise UserwiseError(f"pip wheel of {project} failed: {(r.stdout + r.stderr)[-800:]}")
