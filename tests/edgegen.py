@@ -42,11 +42,11 @@ import pyarrow.dataset as ds
 REASONS = {
     "null_user": "user_id",
     "null_request": "request_id",
-    "null_request_time": "request_ts",
+    "null_time": "request_ts",
     "null_item": "item_id",
-    "time_out_of_range": "request_ts",
+    "bad_time": "request_ts",
     "action_before_request": "action_ts",
-    "duplicate": None,
+    "duplicate_row": None,
     "position_conflict": "position",
     "request_user_conflict": "user_id",
     "request_inconsistent": None,
@@ -186,7 +186,7 @@ class _Log:
         """items: list of (item, click, like, dwell); positions 0.."""
         return [self.imp(user, rid, rts, it, p, c, lk, dw, **kw) for p, (it, c, lk, dw) in enumerate(items)]
 
-    def copy(self, row, reason="duplicate"):
+    def copy(self, row, reason="duplicate_row"):
         r = dict(row)
         self.rows.append(r)
         self.bad.append((r["row_uid"], reason))
@@ -298,7 +298,7 @@ def _bad_rows(g: _Log) -> None:
     g.request(None, "b-nulluser", t, [(510, 1, 0, SEC)], reason="null_user")
     g.request(401, "g401-1", t - 3_600_000, [(511, 1, 0, SEC)])
     g.imp(401, None, t, 512, 0, 1, 0, SEC, reason="null_request")
-    g.imp(401, "b-nullts", None, 513, 0, 1, 0, ats=t, date=day(2), reason="null_request_time")
+    g.imp(401, "b-nullts", None, 513, 0, 1, 0, ats=t, date=day(2), reason="null_time")
     g.request(401, "g401-2", t + 3_600_000, [(514, 0, 0, 0)])
     # null item and an action before its request, inside otherwise good requests
     g.imp(402, "g402-1", t, 515, 0, 1, 0, SEC)
@@ -309,7 +309,7 @@ def _bad_rows(g: _Log) -> None:
     g.request(402, "g402-3", t + 3_600_000, [(519, 0, 0, 0)])
     # request time outside the sane range (year < 2000)
     old = ms(dt.date(1999, 12, 31), 12)
-    g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason="time_out_of_range")
+    g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason="bad_time")
     g.request(403, "g403-1", t, [(522, 0, 0, 0)])
     # exact duplicates: one copy kept, the extra copies quarantined (a clicked row: one event, not three)
     a = g.imp(404, "g404-1", t, 523, 0, 1, 0, SEC)
@@ -346,7 +346,7 @@ def _bad_actions(g: _Log) -> None:
     t = ms(day(2), 13)
     g.act(None, 550, t, 1, reason="null_user")
     g.act(402, None, t, 1, reason="null_item")
-    g.act(402, 551, ms(dt.date(1999, 6, 1)), 1, reason="time_out_of_range")
+    g.act(402, 551, ms(dt.date(1999, 6, 1)), 1, reason="bad_time")
     g.act(402, 552, t, 2)  # a good one
 
 
@@ -399,7 +399,7 @@ def _imp_fields(float_labels: bool, fat: bool):
 
 def _truth(g: _Log):
     bad = dict(g.bad)  # uid -> reason
-    dup_uids = {u for u, r in g.bad if r == "duplicate"}
+    dup_uids = {u for u, r in g.bad if r == "duplicate_row"}
     expected, after = set(), set()
     for r in g.rows:
         u = r["row_uid"]
@@ -463,7 +463,7 @@ def make_fat(root, **cfg_over) -> EdgeLog:
     rows = []
     for r in g.rows:
         u = r["row_uid"]
-        if u in bad and bad[u] != "duplicate":
+        if u in bad and bad[u] != "duplicate_row":
             continue
         if u in seen_uid:
             continue

@@ -73,7 +73,7 @@ def _dropped(rejected) -> set:
     if rejected is None:
         return set()
     if isinstance(rejected, Mapping):
-        return {u for u, r in rejected.items() if r != "duplicate"}
+        return {u for u, r in rejected.items() if r != "duplicate_row"}
     return set(rejected)
 
 
@@ -181,7 +181,7 @@ def expected_pointwise(input_paths, config_dict: dict, as_of: str, rejected_row_
     """The point-wise rows `userwise expand` must give back for a lean log.
 
     rejected_row_uids: a set of row uids to drop, or a mapping uid -> reason (then
-    reason "duplicate" means: one copy is kept). rejected_actions: whole action-log rows
+    reason "duplicate_row" means: one copy is kept). rejected_actions: whole action-log rows
     (dicts) that are quarantined. max_seq_len: L' (default: the config's L).
     """
     c = _cfg(config_dict)
@@ -293,7 +293,7 @@ def reconcile(report: dict, truth) -> list[str]:
 
     impressions in = impressions in samples + quarantined + at/after as-of, and each
     term equals the ground truth. `quarantined` counts impression rows by reason; action-log
-    rows, if reported, live under report["actions"]["quarantined"]."""
+    rows by reason under report["actions_quarantined"] (or report["actions"]["quarantined"])."""
     out = []
     for k in ("rows_read", "accepted", "quarantined", "after_as_of", "impressions_in_samples"):
         if k not in report:
@@ -313,7 +313,10 @@ def reconcile(report: dict, truth) -> list[str]:
             out.append(f"{k}: report says {got}, ground truth {v}")
     if truth.rejected_actions:
         want_a = dict(Counter(r for _, r in truth.rejected_actions))
-        got_a = {k: v for k, v in ((report.get("actions") or {}).get("quarantined") or {}).items() if v}
+        raw = report.get("actions_quarantined")
+        if raw is None:
+            raw = (report.get("actions") or {}).get("quarantined") or {}
+        got_a = {k: v for k, v in raw.items() if v}
         if got_a != want_a:
             out.append(f"actions quarantined: report says {got_a}, ground truth {want_a}")
     return out

@@ -126,7 +126,7 @@ def test_rejected_duplicates_and_after_as_of(tmp_path):
         imp(4, 1, "y", as_of_ms - 2, 73, click=1, ats=as_of_ms - 2),  # built; its action is before as-of
         imp(5, 1, "c", as_of_ms - 1, 74),
     ]
-    got = run(tmp_path, rows, L=10, rejected={1: "duplicate", 2: "position_conflict"})
+    got = run(tmp_path, rows, L=10, rejected={1: "duplicate_row", 2: "position_conflict"})
     assert set(got) == {1, 4, 5}
     assert got[5]["seq_item"] == [70, 73]
     assert got[4]["seq_item"] == [70]
@@ -178,7 +178,7 @@ def test_every_reason_is_planted(logs):
     planted = set(logs["lean"].quarantine_counts()) | set(logs["nan"].quarantine_counts()) | \
         set(logs["fat"].quarantine_counts())
     assert planted == set(E.REASONS)
-    assert {r for _, r in logs["lean"].rejected_actions} == {"null_user", "null_item", "time_out_of_range"}
+    assert {r for _, r in logs["lean"].rejected_actions} == {"null_user", "null_item", "bad_time"}
 
 
 def test_ground_truth_counts(logs):
@@ -230,13 +230,16 @@ def test_fat_snapshots_match_the_lean_oracle(logs):
 def test_reconcile(logs):
     log = logs["lean"]
     good = O.expected_report(log)
-    good["actions"] = {"quarantined": {"null_user": 1, "null_item": 1, "time_out_of_range": 1}}
+    good["actions"] = {"quarantined": {"null_user": 1, "null_item": 1, "bad_time": 1}}
     assert O.reconcile(good, log) == []
     bad = copy.deepcopy(good)
-    bad["quarantined"]["duplicate"] += 1
+    bad["quarantined"]["duplicate_row"] += 1
     bad["rows_read"] += 1
     assert O.reconcile(bad, log)
     assert O.reconcile({"rows_read": 1}, log)
     bad = copy.deepcopy(good)
     bad["actions"]["quarantined"] = {}
     assert O.reconcile(bad, log)
+    flat = copy.deepcopy(bad)
+    flat["actions_quarantined"] = good["actions"]["quarantined"]
+    assert O.reconcile(flat, log) == []
