@@ -262,24 +262,34 @@ class UserwiseDataset(IterableDataset):
             j0 = int(firsts[i])
             if j0 + buf.num_batches <= start:
                 continue
-            cols = self.read_buffer(buf.rgs) if len(buf.rgs) else None
-            perm = torch.from_numpy(buf.perm)
+            src = self.prepare(self.read_buffer(buf.rgs)) if len(buf.rgs) else None
             for k in range(buf.num_batches):
                 j = j0 + k
                 if j < start:
                     continue
                 meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
                 a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
-                if cols is None:
+                if src is None:
                     yield self._empty(meta, alloc)
                 else:
-                    yield decode.assemble(cols, perm[a:b], alloc, meta)
+                    yield self.gather(src, buf.perm[a:b], alloc, meta)
+
+    @staticmethod
+    def prepare(cols: dict):
+        """Host columns: stacked once per buffer for vectorised gathers; device columns as they are."""
+        return decode.Prepared(cols) if next(iter(cols.values())).values.device.type == "cpu" else cols
+
+    @staticmethod
+    def gather(src, idx, alloc, meta):
+        if isinstance(src, decode.Prepared):
+            return src.assemble(idx, alloc, meta)
+        return decode.assemble(src, torch.from_numpy(np.asarray(idx, np.int64)), alloc, meta)
 
     def _empty(self, meta, alloc):
         # a rank with fewer samples than batches: an empty batch with the full layout
-        for g in range(len(self.shards.rg_rows)):
-            cols = self.read_buffer([g])
-            return decode.assemble(cols, torch.zeros(0, dtype=torch.long), alloc, meta)
+        if getattr(self, "_empty_src", None) is None:
+            self._empty_src = self.prepare(self.read_buffer([0]))
+        return self.gather(self._empty_src, np.zeros(0, np.int64), alloc, meta)
 
     def __iter__(self):
         info = get_worker_info()

@@ -147,6 +147,204 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+_GRANK = {"sample": 0, "seq": 1, "req": 2, "imp": 3, "list": 4}
+
+
+def layout_key(group: str, group_sub: int, kind: int, dtype: str, col: int) -> tuple:
+    """Where an array goes in the batch buffer (both assemblers sort by it, so
+    host, worker and device batches have the same bytes): by group (sample,
+    seq, req, imp, then each other list column), then offsets (0), numeric
+    values (1, grouped by dtype), string bytes (2), string offsets (3),
+    validity (4), derived indices (5), then the column's position."""
+    return (_GRANK[group], group_sub, kind, dtype, col)
+
+
+def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [s, s+l) (vectorised; see batch._np_ranges)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    out_off = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_off, lengths) + np.arange(total)
+
+
+class Prepared:
+    """One decoded buffer (host columns) laid out for fast batch gathers.
+
+    Built once per buffer of row groups: columns of the same group and dtype
+    are stacked into one 2-D array (one gather per block instead of one per
+    column), the string columns of a group share one byte array, and the
+    order of the arrays in a batch (:func:`layout_key`) is fixed. A batch is
+    then a handful of vectorised numpy gathers straight into the caller's
+    buffer, whatever the number of columns (numpy, not torch: no intra-op
+    threads on a busy host)."""
+
+    def __init__(self, cols: dict[str, Col]):
+        order = {name: i for i, name in enumerate(cols)}
+        self.columns = {}
+        groups: dict[tuple, dict] = {}
+        for name, c in cols.items():
+            g = _group_of(name, c)
+            self.columns[name] = (g, c.arrow)
+            gk = (g, order[name] if g == "list" else 0)
+            G = groups.setdefault(gk, {"label": g if g != "list" else name, "off": None, "num": {}, "str": [],
+                                       "valid": []})
+            if c.offsets is not None and G["off"] is None:
+                G["off"] = c.offsets.numpy().astype(np.int64, copy=False)
+            if c.str_offsets is not None:
+                G["str"].append((order[name], name, c.values.numpy(), c.str_offsets.numpy().astype(np.int64, copy=False)))
+            else:
+                v = c.values.numpy()
+                G["num"].setdefault(v.dtype.name, []).append((order[name], name, v))
+            if c.validity is not None:
+                G["valid"].append((order[name], name, c.validity.numpy().astype(np.uint8, copy=False)))
+        self.rni = cols["req_num_imps"].values.numpy().astype(np.int64) if "req_num_imps" in cols else None
+        # entries: (key, name, dtype, count slot); counts per batch: [B, B+1, n_g, n_g+1 ..., string bytes ...]
+        entries = []
+        self.groups = []  # (gk, offsets or None, count slot of n_g, blocks, strings, valid)
+        nslot = 2
+        for gk in sorted(groups, key=lambda k: (_GRANK[k[0]], k[1])):
+            G = groups[gk]
+            g, sub = gk
+            if G["off"] is None:
+                n_slot, n1_slot = 0, 1
+            else:
+                n_slot, n1_slot = nslot, nslot + 1
+                nslot += 2
+                entries.append((layout_key(g, sub, 0, "", 0), f"{G['label']}.offsets", "int64", 1))
+            blocks = []
+            for dt, items in G["num"].items():
+                items.sort()
+                for ci, name, _ in items:
+                    entries.append((layout_key(g, sub, 1, dt, ci), name, dt, n_slot))
+                V = items[0][2][None] if len(items) == 1 else np.stack([v for _, _, v in items])
+                blocks.append((layout_key(g, sub, 1, dt, items[0][0]), V))
+            strings = None
+            if G["str"]:
+                G["str"].sort(key=lambda x: x[0])
+                data = np.concatenate([d for _, _, d, _ in G["str"]]) if len(G["str"]) > 1 else G["str"][0][2]
+                base = np.cumsum([0] + [len(d) for _, _, d, _ in G["str"]])[:-1]
+                soff = np.stack([so + b for (_, _, _, so), b in zip(G["str"], base)])
+                first = nslot
+                for ci, name, _, _ in G["str"]:
+                    entries.append((layout_key(g, sub, 2, "", ci), name, "uint8", nslot))
+                    entries.append((layout_key(g, sub, 3, "int64", ci), name + ".soff", "int64", n1_slot))
+                    nslot += 1
+                strings = (layout_key(g, sub, 2, "", G["str"][0][0]), layout_key(g, sub, 3, "int64", G["str"][0][0]),
+                           data, soff, first)
+            valid = None
+            if G["valid"]:
+                G["valid"].sort(key=lambda x: x[0])
+                for ci, name, _ in G["valid"]:
+                    entries.append((layout_key(g, sub, 4, "uint8", ci), name + ".valid", "uint8", n_slot))
+                valid = (layout_key(g, sub, 4, "uint8", G["valid"][0][0]), np.stack([v for _, _, v in G["valid"]]))
+            self.groups.append((g, sub, G["off"], n_slot, blocks, strings, valid))
+        self.req_slot = next((n for g, _, off, n, *_ in self.groups if g == "req" and off is not None), None)
+        self.imp_slot = next((n for g, _, off, n, *_ in self.groups if g == "imp" and off is not None), None)
+        self.seq_slot = next((n for g, _, off, n, *_ in self.groups if g == "seq" and off is not None), None)
+        if self.req_slot is not None:
+            entries.append((layout_key("req", 0, 5, "", 0), "req.sample", "int64", self.req_slot))
+            if self.rni is not None and self.imp_slot is not None:
+                entries.append((layout_key("imp", 0, 5, "", 0), "imp.req", "int64", self.imp_slot))
+        entries.sort(key=lambda e: e[0])
+        self.nslot = nslot
+        self.keys = [e[0] for e in entries]
+        self.where = {e[0]: i for i, e in enumerate(entries)}
+        self.names = [e[1] for e in entries]
+        self.dtypes = [e[2] for e in entries]
+        self.itemsize = np.array([np.dtype(e[2]).itemsize for e in entries], np.int64)
+        self.slot = np.array([e[3] for e in entries], np.int64)
+
+    def assemble(self, idx, alloc, meta: dict) -> JaggedBatch:
+        """Gather samples ``idx`` (row numbers of this buffer) into one buffer from ``alloc(nbytes)``."""
+        idx = np.asarray(idx, dtype=np.int64)
+        B = len(idx)
+        counts = np.zeros(self.nslot, np.int64)
+        counts[0], counts[1] = B, B + 1
+        work = []
+        req_len = req_e = None
+        for g, sub, off, n_slot, blocks, strings, valid in self.groups:
+            if off is None:
+                e, new = idx, None
+            else:
+                start = off[idx]
+                ln = off[idx + 1] - start
+                new = np.zeros(B + 1, np.int64)
+                np.cumsum(ln, out=new[1:])
+                e = _np_ranges(start, ln)
+                counts[n_slot], counts[n_slot + 1] = len(e), len(e) + 1
+                if g == "req":
+                    req_len, req_e = ln, e
+            snew = sl = None
+            if strings is not None:
+                _, _, _, soff, first = strings
+                s0 = soff[:, e]
+                sl = soff[:, e + 1] - s0
+                snew = np.zeros((len(soff), len(e) + 1), np.int64)
+                np.cumsum(sl, axis=1, out=snew[:, 1:])
+                counts[first: first + len(soff)] = snew[:, -1]
+                sl = (s0, sl)
+            work.append((g, sub, e, new, blocks, strings, valid, snew, sl))
+        numel = counts[self.slot]
+        nbytes = numel * self.itemsize
+        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        pos = np.cumsum(aligned) - aligned
+        total = int(aligned.sum())
+        buf = alloc(max(total, ALIGN))
+        out = buf.numpy()
+        pad = _np_ranges(pos + nbytes, aligned - nbytes)
+        if len(pad):
+            out[pad] = 0  # zeroed padding: equal batches are equal bytes
+        if len(out) > total:
+            out[total:] = 0
+        P = pos.tolist()
+        A = aligned.tolist()
+        where = self.where
+
+        def block(key, dt, rows, n):
+            """rows arrays of n elements each, one per aligned slot, as a 2-D view."""
+            i = where[key]
+            size = np.dtype(dt).itemsize
+            stride = A[i] // size
+            return out[P[i]: P[i] + rows * A[i]].view(dt).reshape(rows, stride)[:, :n]
+
+        for g, sub, e, new, blocks, strings, valid, snew, sl in work:
+            n = len(e)
+            if new is not None:
+                i = where[layout_key(g, sub, 0, "", 0)]
+                out[P[i]: P[i] + 8 * (B + 1)].view(np.int64)[:] = new
+            for key, V in blocks:
+                np.take(V, e, axis=1, out=block(key, V.dtype, len(V), n), mode="clip")
+            if strings is not None:
+                bkey, skey, data, soff, _ = strings
+                s0, ln = sl[0].ravel(), sl[1].ravel()
+                i0 = where[bkey]
+                starts = np.array(P[i0: i0 + len(soff)], np.int64)
+                dst = _np_ranges((starts[:, None] + snew[:, :-1]).ravel(), ln)
+                if len(dst):
+                    out[dst] = data[_np_ranges(s0, ln)]
+                block(skey, np.int64, len(soff), n + 1)[:] = snew
+            if valid is not None:
+                key, V = valid
+                np.take(V, e, axis=1, out=block(key, V.dtype, len(V), n), mode="clip")
+        if self.req_slot is not None:
+            i = where[layout_key("req", 0, 5, "", 0)]
+            R = len(req_e)
+            out[P[i]: P[i] + 8 * R].view(np.int64)[:] = np.repeat(np.arange(B, dtype=np.int64), req_len)
+            if self.rni is not None and self.imp_slot is not None:
+                i = where[layout_key("imp", 0, 5, "", 0)]
+                k = self.rni[req_e]
+                N = int(k.sum())
+                out[P[i]: P[i] + 8 * N].view(np.int64)[:] = np.repeat(np.arange(R, dtype=np.int64), k)
+        spec = tuple(zip(self.names, self.dtypes, P, numel.tolist()))
+        m = dict(meta)
+        m["num_samples"] = B
+        m["columns"] = self.columns
+        m["events"] = int(counts[self.seq_slot]) if self.seq_slot is not None and B else 0
+        m["impressions"] = int(counts[self.imp_slot]) if "imp.req" in self.names else 0
+        return JaggedBatch(buf, spec, m)
+
+
 def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> JaggedBatch:
     """Gather samples ``idx`` (rows of ``cols``) into one buffer from ``alloc(nbytes)``."""
     dev = next(iter(cols.values())).values.device
@@ -157,8 +355,10 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
     group_off: dict[str, torch.Tensor] = {}
     columns = {}
 
-    def add(name, dtype, numel, fill):
-        plan.append((name, dtype, int(numel), fill))
+    order = {name: i for i, name in enumerate(cols)}
+
+    def add(name, dtype, numel, fill, key=None):
+        plan.append((key, name, dtype, int(numel), fill))
 
     def list_index(off: torch.Tensor):
         off = off.long()
@@ -177,11 +377,13 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
             if g not in group_idx:
                 e, new = list_index(c.offsets)
                 group_idx[g], group_off[g] = e, new
-                add(f"{g}.offsets", torch.long, B + 1, lambda o, new=new: o.copy_(new))
+                add(f"{g}.offsets", torch.long, B + 1, lambda o, new=new: o.copy_(new), layout_key(g, 0, 0, "", 0))
             e = group_idx[g]
         else:
             e, new = list_index(c.offsets)
-            add(f"{name}.offsets", torch.long, B + 1, lambda o, new=new: o.copy_(new))
+            add(f"{name}.offsets", torch.long, B + 1, lambda o, new=new: o.copy_(new), layout_key(g, order[name], 0, "", 0))
+        gi = order[name] if g == "list" else 0
+        ci = order[name]
         if c.str_offsets is not None:
             so = c.str_offsets.long()
             s0 = so[e]
@@ -189,25 +391,28 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
             snew = torch.zeros(e.numel() + 1, dtype=torch.long, device=dev)
             torch.cumsum(sl, 0, out=snew[1:])
             bidx = _ranges(s0, sl)
-            add(name, torch.uint8, bidx.numel(), lambda o, v=c.values, i=bidx: take(v, i, o))
-            add(name + ".soff", torch.long, e.numel() + 1, lambda o, s=snew: o.copy_(s))
+            add(name, torch.uint8, bidx.numel(), lambda o, v=c.values, i=bidx: take(v, i, o), layout_key(g, gi, 2, "", ci))
+            add(name + ".soff", torch.long, e.numel() + 1, lambda o, s=snew: o.copy_(s), layout_key(g, gi, 3, "int64", ci))
         else:
-            add(name, c.values.dtype, e.numel(), lambda o, v=c.values, i=e: take(v, i, o))
+            add(name, c.values.dtype, e.numel(), lambda o, v=c.values, i=e: take(v, i, o),
+                layout_key(g, gi, 1, dtype_name(c.values.dtype), ci))
         if c.validity is not None:
-            add(name + ".valid", torch.uint8, e.numel(), lambda o, v=c.validity, i=e: take(v, i, o))
+            add(name + ".valid", torch.uint8, e.numel(), lambda o, v=c.validity, i=e: take(v, i, o),
+                layout_key(g, gi, 4, "uint8", ci))
 
     # derived index arrays: request -> sample, impression -> request
     if "req" in group_idx:
         R = int(group_idx["req"].numel())
         req_new = group_off["req"]
         req_sample = repeat(torch.arange(B, device=dev), req_new[1:] - req_new[:-1], R)
-        add("req.sample", torch.long, R, lambda o, s=req_sample: o.copy_(s))
+        add("req.sample", torch.long, R, lambda o, s=req_sample: o.copy_(s), layout_key("req", 0, 5, "", 0))
         if "req_num_imps" in cols and "imp" in group_idx:
             rni = cols["req_num_imps"].values[group_idx["req"]].long()
             N = int(group_idx["imp"].numel())
             imp_req = repeat(torch.arange(R, device=dev), rni, N)
-            add("imp.req", torch.long, N, lambda o, s=imp_req: o.copy_(s))
+            add("imp.req", torch.long, N, lambda o, s=imp_req: o.copy_(s), layout_key("imp", 0, 5, "", 0))
 
+    plan = [p[1:] for p in sorted(plan, key=lambda p: p[0])]
     spec, pos = [], 0
     for name, dt, numel, _ in plan:
         size = _ESIZE[dt] * numel
@@ -227,4 +432,4 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
     return JaggedBatch(buf, tuple(spec), m)
 
 
-__all__ = ["Col", "from_arrow", "from_gds", "assemble", "check_groups", "column_group", "torch_dtype"]
+__all__ = ["Col", "Prepared", "from_arrow", "from_gds", "assemble", "check_groups", "column_group", "torch_dtype"]
