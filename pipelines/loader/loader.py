@@ -14,8 +14,10 @@ import collections
 import queue as queue_mod
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -29,16 +31,89 @@ def shm_alloc(n: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(1, n)))[:n]
 
 
-def _worker_main(ds: UserwiseDataset, worker: int, num_workers: int, start: int, epoch: int, q, stop) -> None:
+class _Ring:
+    """A worker's ring of reused shared-memory batch buffers.
+
+    Slot i of the worker's batch stream is ``i % len(slots)``; the semaphore
+    (one count per free slot) is released by the trainer once it has copied a
+    batch out, so a slot is rewritten only after it was read. A slot's storage
+    goes to the trainer once (with the first batch that used it, or when it had
+    to grow); afterwards a batch is announced by its slot number alone: no
+    per-batch shared-memory create/unlink, no file-descriptor passing."""
+
+    def __init__(self, nslots: int, sem):
+        self.slots: list[torch.Tensor | None] = [None] * nslots
+        self.sem = sem
+        self.i = 0
+        self.fresh = None
+
+    def alloc(self, n: int) -> torch.Tensor:
+        self.sem.acquire()
+        k = self.i % len(self.slots)
+        buf = self.slots[k]
+        if buf is None or buf.numel() < n:
+            buf = self.slots[k] = shm_alloc(max(n, 1) * 5 // 4 + 4096)
+            self.fresh = buf
+        else:
+            self.fresh = None
+        return buf[:n]
+
+    def sent(self) -> tuple[int, torch.Tensor | None]:
+        k, fresh = self.i % len(self.slots), self.fresh
+        self.i += 1
+        self.fresh = None
+        return k, fresh
+
+
+def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int) -> None:
+    """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next."""
     torch.set_num_threads(1)
-    try:
-        for b in ds.batches(worker, num_workers, start, alloc=shm_alloc, epoch=epoch):
-            q.put(("batch", b.meta["index"], b.buffer, b.spec, b.meta))
-        q.put(("done", worker))
-    except BaseException as e:  # noqa: BLE001 (everything goes back to the trainer)
-        q.put(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
-    # stay alive until the main process has taken every shared buffer (fd passing needs the sender)
-    stop.wait()
+    ring = _Ring(nslots, sem)
+    while True:
+        msg = cmd.get()
+        if msg is None:
+            return
+        plan, start, k = msg
+        ds._plans = {plan.epoch: plan}  # the trainer's plan (computed once there; no collective here)
+        try:
+            for b in ds.batches(worker, k, start, alloc=ring.alloc, epoch=plan.epoch):
+                slot, fresh = ring.sent()
+                q.put(("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, b.meta))
+            q.put(("done", worker))
+        except BaseException as e:  # noqa: BLE001 (everything goes back to the trainer)
+            q.put(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
+
+
+class _Pool:
+    """Persistent worker processes (started once, fed one epoch plan per iteration)."""
+
+    def __init__(self, ctx, ds, k: int, nslots: int):
+        self.k = k
+        self.cmd = [ctx.SimpleQueue() for _ in range(k)]
+        self.q = [ctx.Queue() for _ in range(k)]
+        self.sem = [ctx.Semaphore(nslots) for _ in range(k)]
+        self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
+        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.sem[w], nslots),
+                                  daemon=True) for w in range(k)]
+        for p in self.procs:
+            p.start()
+
+    def close(self) -> None:
+        for c, p in zip(self.cmd, self.procs):
+            if p.is_alive():
+                try:
+                    c.put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self.procs:
+            p.join(timeout=2)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        for q in self.q:
+            q.close()
+            q.cancel_join_thread()
 
 
 @dataclass
@@ -150,6 +225,8 @@ class UserwiseLoader:
         self.cursor = 0
         self.stats = LoaderStats()
         self._pool = PinnedPool(self.prefetch + 2) if self.pin else None
+        self._workers: _Pool | None = None
+        self._last_pinned: list = []
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -196,7 +273,7 @@ class UserwiseLoader:
     def _alloc(self):
         if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there
             return lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)
-        if self._pool is None or self.num_workers:
+        if self._pool is None:
             return None
         holder = self._last_pinned = []
 
@@ -215,36 +292,49 @@ class UserwiseLoader:
             return
         k = self.num_workers
         owner = plan.batch_owner(k)
-        queues = [self.ctx.Queue(maxsize=self.worker_queue) for _ in range(k)]
-        stop = self.ctx.Event()
-        procs = [self.ctx.Process(target=_worker_main, args=(ds, w, k, start, epoch, queues[w], stop), daemon=True)
-                 for w in range(k)]
-        for p in procs:
-            p.start()
+        if self._workers is None:  # started once, kept across epochs
+            self._workers = _Pool(self.ctx, ds, k, self.worker_queue + 1)
+            self._finalizer = weakref.finalize(self, self._workers.close)
+        pool = self._workers
+        for w in range(k):
+            pool.cmd[w].put((plan, start, k))
+        alloc = self._alloc() or _host_alloc
+        clean = False
         try:
             for j in range(start, plan.num_batches):
                 w = int(owner[j])
-                msg = self._get(queues[w], procs[w], w)
+                msg = self._get(pool.q[w], pool.procs[w], w)
                 if msg[0] == "error":
                     if msg[3]:
                         raise UserwiseError(msg[1])
                     raise RuntimeError(f"loader worker {w} failed:\n{msg[2]}")
                 if msg[0] != "batch" or msg[1] != j:
                     raise RuntimeError(f"loader worker {w} sent {msg[:2]} where batch {j} was due")
-                b = JaggedBatch(msg[2], msg[3], msg[4])
+                _, _, slot, fresh, n, spec, meta = msg
+                if fresh is not None:
+                    pool.slots[w][slot] = fresh
+                dst = alloc(n)
+                if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
+                    np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
+                pool.sem[w].release()
+                b = JaggedBatch(dst, spec, meta)
                 _count(b)
                 yield b
+            for w in range(k):
+                msg = self._get(pool.q[w], pool.procs[w], w)
+                if msg[0] != "done":
+                    raise RuntimeError(f"loader worker {w} sent {msg[:2]} after the last batch of the epoch")
+            clean = True
         finally:
-            stop.set()
-            for p in procs:
-                p.join(timeout=2)
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=10)
-            for q in queues:
-                q.close()
-                q.cancel_join_thread()
+            if not clean:  # stopped mid-epoch (or failed): workers hold stale work, start fresh ones next time
+                self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes (they are otherwise kept for the next epoch)."""
+        if self._workers is not None:
+            self._finalizer.detach()
+            self._workers.close()
+            self._workers = None
 
     def _get(self, q, proc, w):
         deadline = time.monotonic() + self.timeout
@@ -268,7 +358,7 @@ class UserwiseLoader:
                 yield b
                 continue
             if self.pin:
-                if self.num_workers == 0 and self._last_pinned:
+                if self._last_pinned:  # assembled (or copied from a worker) straight into the pinned pool
                     pinned = self._last_pinned.pop()
                     src = b
                 else:
@@ -297,7 +387,13 @@ class UserwiseLoader:
         return d
 
 
+def _host_alloc(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
 def _count(b: JaggedBatch) -> None:
     """Per-batch totals for the counters (read on the host before any copy)."""
+    if "events" in b.meta and "impressions" in b.meta:  # set by the assembler
+        return
     b.meta["events"] = int(b["seq.offsets"][-1]) if "seq.offsets" in b and b.num_samples else 0
     b.meta["impressions"] = b.spec_numel("imp.req")
