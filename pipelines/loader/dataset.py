@@ -114,6 +114,8 @@ class UserwiseDataset(IterableDataset):
         self._plans: dict[int, RankPlan] = {}
         self._owner = None
         self._keep_cache = None
+        self.read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
+        self.memory_map = True  # staged shards are local files: map them instead of copying through read()
 
     # -- data path ---------------------------------------------------------------
     def _choose_path(self, gds) -> str:
@@ -199,14 +201,18 @@ class UserwiseDataset(IterableDataset):
         """Decode row groups into flat columns (Parquet, or GDS side files)."""
         sh = self.shards
         if self.data_path == "parquet":
-            parts = []
-            for g in rgs:
+            parts, runs = [], []
+            for g in rgs:  # consecutive row groups of one file: one read call
                 s, i = int(sh.rg_shard[g]), int(sh.rg_index[g])
-                path = sh.path(s)
+                if runs and runs[-1][0] == s:
+                    runs[-1][1].append(i)
+                else:
+                    runs.append((s, [i]))
+            for s, idx in runs:
                 try:
-                    parts.append(pq.ParquetFile(path).read_row_group(i, columns=self.columns))
+                    parts.append(self._file(s).read_row_groups(idx, columns=self.columns, use_threads=self.read_threads))
                 except Exception as e:  # noqa: BLE001
-                    raise ShardError(f"{path}: row group {i} unreadable ({e}); re-stage this file") from None
+                    raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({e}); re-stage this file") from None
             table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
             where = sh.path(int(sh.rg_shard[rgs[0]]))
             cols = decode.from_arrow(table, where)
@@ -215,6 +221,22 @@ class UserwiseDataset(IterableDataset):
             where = sh.gds_path(int(sh.rg_shard[rgs[0]]))
         decode.check_groups(cols, where)
         return cols
+
+    def _file(self, shard: int) -> pq.ParquetFile:
+        """The open shard file, kept per process (footer parsed once, not per row group)."""
+        pid = os.getpid()
+        if getattr(self, "_files_pid", None) != pid:  # after fork: own handles
+            self._files, self._files_pid = {}, pid
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = pq.ParquetFile(self.shards.path(shard), memory_map=self.memory_map)
+        return f
+
+    def __getstate__(self):
+        st = dict(self.__dict__)
+        st.pop("_files", None)
+        st.pop("_files_pid", None)
+        return st
 
     def _read_gds(self, rgs) -> dict:
         sh = self.shards
@@ -263,6 +285,8 @@ class UserwiseDataset(IterableDataset):
             if j0 + buf.num_batches <= start:
                 continue
             src = self.prepare(self.read_buffer(buf.rgs)) if len(buf.rgs) else None
+            if isinstance(src, decode.Prepared):  # host: shuffle the whole buffer once, then cut ranges
+                src = src.permuted(buf.perm)
             for k in range(buf.num_batches):
                 j = j0 + k
                 if j < start:
@@ -271,13 +295,16 @@ class UserwiseDataset(IterableDataset):
                 a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
                 if src is None:
                     yield self._empty(meta, alloc)
+                elif isinstance(src, decode.Prepared):
+                    yield src.assemble_range(a, b, alloc, meta)
                 else:
                     yield self.gather(src, buf.perm[a:b], alloc, meta)
 
     @staticmethod
     def prepare(cols: dict):
         """Host columns: stacked once per buffer for vectorised gathers; device columns as they are."""
-        return decode.Prepared(cols) if next(iter(cols.values())).values.device.type == "cpu" else cols
+        v = next(iter(cols.values())).values
+        return decode.Prepared(cols) if isinstance(v, np.ndarray) or v.device.type == "cpu" else cols
 
     @staticmethod
     def gather(src, idx, alloc, meta):

@@ -55,18 +55,76 @@ def _t(a):
         return torch.from_numpy(np.asarray(a))
 
 
+_NP = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
+       pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32, pa.uint64(): np.uint64,
+       pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64, pa.date32(): np.int32}
+
+
+def _fast(col) -> dict | None:
+    """Zero-copy flat arrays of a primitive or list-of-primitive column (the common case:
+    no null lists, native little-endian); None where the general path is needed."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = arr.type
+    offsets = None
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if arr.null_count:
+            return None
+        ob = np.frombuffer(arr.buffers()[1], np.int32 if pa.types.is_list(t) else np.int64)
+        ob = ob[arr.offset: arr.offset + len(arr) + 1]
+        o0 = int(ob[0]) if len(ob) else 0
+        offsets = ob.astype(np.int64)
+        if o0:
+            offsets -= o0
+        arr = arr.values.slice(o0, int(offsets[-1]) if len(offsets) else 0)
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        if arr.null_count:
+            return None
+        bufs = arr.buffers()
+        so = np.frombuffer(bufs[1], np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else np.int32)
+        so = so[arr.offset: arr.offset + len(arr) + 1]
+        s0, s1 = (int(so[0]), int(so[-1])) if len(so) else (0, 0)
+        data = np.frombuffer(bufs[2], np.uint8)[s0:s1] if bufs[2] is not None else np.zeros(0, np.uint8)
+        so = so.astype(np.int64)
+        if s0:
+            so -= s0
+        return {"values": data, "offsets": offsets, "str_offsets": so, "validity": None, "arrow": str(t)}
+    dt = _NP.get(t)
+    if dt is None or np.dtype(dt).byteorder == ">":
+        return None
+    bufs = arr.buffers()
+    v = np.frombuffer(bufs[1], dt)[arr.offset: arr.offset + len(arr)] if bufs[1] is not None else np.zeros(0, dt)
+    valid = None
+    if arr.null_count:  # nulls read as 0, with a validity mask
+        valid = np.asarray(arr.is_valid()).astype(np.uint8)
+        v = np.where(valid.astype(bool), v, np.zeros((), dt))
+    return {"values": v, "offsets": offsets, "str_offsets": None, "validity": valid, "arrow": str(t)}
+
+
 def from_arrow(table: pa.Table, where: str = "") -> dict[str, Col]:
-    """Flat columns of a (decoded) table; list offsets start at 0."""
+    """Flat columns of a (decoded) table; list offsets start at 0. Host arrays are numpy
+    (zero-copy views of Arrow's buffers where possible)."""
     out = {}
     for name in table.column_names:
-        a = gdsmod.column_arrays(table.column(name))
+        col = table.column(name)
+        a = _fast(col)
+        if a is None:
+            a = gdsmod.column_arrays(col)
         if a is None:
             raise ShardError(f"{where}: column {name!r} of type {table.schema.field(name).type} is not supported by the loader")
         v = a["values"]
         if v.dtype.byteorder == ">":  # pragma: no cover (big-endian hosts)
             v = v.astype(v.dtype.newbyteorder("="))
-        out[name] = Col(_t(v), _t(a["offsets"]), _t(a["str_offsets"]), _t(a["validity"]), a["arrow"])
+        out[name] = Col(v, a["offsets"], a["str_offsets"], a["validity"], a["arrow"])
     return out
+
+
+def _torch_cols(cols: dict[str, Col]) -> dict[str, Col]:
+    """Columns as torch tensors (host numpy arrays wrapped without copying)."""
+    if all(isinstance(c.values, torch.Tensor) for c in cols.values()):
+        return cols
+    return {n: Col(*(_t(x) if isinstance(x, np.ndarray) else x for x in (c.values, c.offsets, c.str_offsets, c.validity)),
+                   c.arrow) for n, c in cols.items()}
 
 
 def from_gds(parts: list[dict], index_arrow: dict[str, str]) -> dict[str, Col]:
@@ -100,6 +158,10 @@ def _cat_offsets(offs):
 
 def check_groups(cols: dict[str, Col], where: str) -> None:
     """Parallel list columns of a group must have equal lengths (else the shard is corrupt)."""
+    if all(isinstance(c.values, np.ndarray) for c in cols.values()):
+        _check_groups_np(cols, where)
+        return
+    cols = _torch_cols(cols)
     first: dict[str, tuple[str, torch.Tensor]] = {}
     for name, c in cols.items():
         g = _group_of(name, c)
@@ -117,6 +179,25 @@ def check_groups(cols: dict[str, Col], where: str) -> None:
         per_sample = csum[ro[1:]] - csum[ro[:-1]]
         imp_off = first["imp"][1]
         if not _equal(per_sample, (imp_off[1:] - imp_off[:-1]).long()):
+            raise ShardError(f"{where}: req_num_imps does not add up to the impressions of each sample; rebuild the shard")
+
+
+def _check_groups_np(cols: dict[str, Col], where: str) -> None:
+    first: dict[str, tuple[str, np.ndarray]] = {}
+    for name, c in cols.items():
+        g = _group_of(name, c)
+        if g in ("seq", "req", "imp"):
+            if g not in first:
+                first[g] = (name, c.offsets)
+            elif not np.array_equal(first[g][1], c.offsets):
+                raise ShardError(f"{where}: list column {name!r} is not parallel to {first[g][0]!r} "
+                                 "(different lengths per sample); rebuild the shard")
+    if "req_num_imps" in cols and "imp" in first:
+        rni = cols["req_num_imps"]
+        csum = np.zeros(len(rni.values) + 1, np.int64)
+        np.cumsum(rni.values, out=csum[1:])
+        per_sample = csum[rni.offsets[1:]] - csum[rni.offsets[:-1]]
+        if not np.array_equal(per_sample, np.diff(first["imp"][1])):
             raise ShardError(f"{where}: req_num_imps does not add up to the impressions of each sample; rebuild the shard")
 
 
@@ -168,6 +249,14 @@ def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - out_off, lengths) + np.arange(total)
 
 
+def _take_rows(arrays: list[np.ndarray], e: np.ndarray) -> np.ndarray:
+    """Stack ``[a[e] for a in arrays]`` into one 2-D array (gathered straight into place)."""
+    out = np.empty((len(arrays), len(e)), arrays[0].dtype)
+    for r, a in enumerate(arrays):
+        np.take(a, e, out=out[r], mode="clip")
+    return out
+
+
 class Prepared:
     """One decoded buffer (host columns) laid out for fast batch gathers.
 
@@ -180,6 +269,8 @@ class Prepared:
     threads on a busy host)."""
 
     def __init__(self, cols: dict[str, Col]):
+        cols = {n: Col(*(None if x is None else np.asarray(x) for x in (c.values, c.offsets, c.str_offsets, c.validity)),
+                       c.arrow) for n, c in cols.items()}
         order = {name: i for i, name in enumerate(cols)}
         self.columns = {}
         groups: dict[tuple, dict] = {}
@@ -190,15 +281,15 @@ class Prepared:
             G = groups.setdefault(gk, {"label": g if g != "list" else name, "off": None, "num": {}, "str": [],
                                        "valid": []})
             if c.offsets is not None and G["off"] is None:
-                G["off"] = c.offsets.numpy().astype(np.int64, copy=False)
+                G["off"] = c.offsets.astype(np.int64, copy=False)
             if c.str_offsets is not None:
-                G["str"].append((order[name], name, c.values.numpy(), c.str_offsets.numpy().astype(np.int64, copy=False)))
+                G["str"].append((order[name], name, c.values, c.str_offsets.astype(np.int64, copy=False)))
             else:
-                v = c.values.numpy()
+                v = c.values
                 G["num"].setdefault(v.dtype.name, []).append((order[name], name, v))
             if c.validity is not None:
-                G["valid"].append((order[name], name, c.validity.numpy().astype(np.uint8, copy=False)))
-        self.rni = cols["req_num_imps"].values.numpy().astype(np.int64) if "req_num_imps" in cols else None
+                G["valid"].append((order[name], name, c.validity.astype(np.uint8, copy=False)))
+        self.rni = cols["req_num_imps"].values.astype(np.int64) if "req_num_imps" in cols else None
         # entries: (key, name, dtype, count slot); counts per batch: [B, B+1, n_g, n_g+1 ..., string bytes ...]
         entries = []
         self.groups = []  # (gk, offsets or None, count slot of n_g, blocks, strings, valid)
@@ -217,8 +308,7 @@ class Prepared:
                 items.sort()
                 for ci, name, _ in items:
                     entries.append((layout_key(g, sub, 1, dt, ci), name, dt, n_slot))
-                V = items[0][2][None] if len(items) == 1 else np.stack([v for _, _, v in items])
-                blocks.append((layout_key(g, sub, 1, dt, items[0][0]), V))
+                blocks.append((layout_key(g, sub, 1, dt, items[0][0]), [v for _, _, v in items]))
             strings = None
             if G["str"]:
                 G["str"].sort(key=lambda x: x[0])
@@ -237,7 +327,7 @@ class Prepared:
                 G["valid"].sort(key=lambda x: x[0])
                 for ci, name, _ in G["valid"]:
                     entries.append((layout_key(g, sub, 4, "uint8", ci), name + ".valid", "uint8", n_slot))
-                valid = (layout_key(g, sub, 4, "uint8", G["valid"][0][0]), np.stack([v for _, _, v in G["valid"]]))
+                valid = (layout_key(g, sub, 4, "uint8", G["valid"][0][0]), [v for _, _, v in G["valid"]])
             self.groups.append((g, sub, G["off"], n_slot, blocks, strings, valid))
         self.req_slot = next((n for g, _, off, n, *_ in self.groups if g == "req" and off is not None), None)
         self.imp_slot = next((n for g, _, off, n, *_ in self.groups if g == "imp" and off is not None), None)
@@ -254,6 +344,126 @@ class Prepared:
         self.dtypes = [e[2] for e in entries]
         self.itemsize = np.array([np.dtype(e[2]).itemsize for e in entries], np.int64)
         self.slot = np.array([e[3] for e in entries], np.int64)
+
+    def permuted(self, perm) -> "Prepared":
+        """This buffer with its samples in ``perm`` order: one gather per block for the
+        whole buffer, after which every batch is a contiguous range (:meth:`assemble_range`:
+        slices and copies only, the per-batch work no longer grows with the gathers)."""
+        perm = np.asarray(perm, dtype=np.int64)
+        B = len(perm)
+        p = object.__new__(Prepared)
+        p.__dict__.update(self.__dict__)
+        groups = []
+        req_e = None
+        for g, sub, off, n_slot, blocks, strings, valid in self.groups:
+            if off is None:
+                e, new = perm, None
+            else:
+                start = off[perm]
+                ln = off[perm + 1] - start
+                new = np.zeros(B + 1, np.int64)
+                np.cumsum(ln, out=new[1:])
+                e = _np_ranges(start, ln)
+                if g == "req":
+                    req_e = e
+            blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
+            strings2 = None
+            if strings is not None:
+                bkey, skey, data, soff, first = strings
+                s0 = soff[:, e]
+                sl = soff[:, e + 1] - s0
+                snew = np.zeros((len(soff), len(e) + 1), np.int64)
+                np.cumsum(sl, axis=1, out=snew[:, 1:])
+                base = np.concatenate([[0], np.cumsum(snew[:, -1])[:-1]])
+                data2 = data[_np_ranges(s0.ravel(), sl.ravel())]
+                strings2 = (bkey, skey, data2, snew + base[:, None], first)
+            valid2 = None if valid is None else (valid[0], _take_rows(valid[1], e))
+            groups.append((g, sub, new, n_slot, blocks2, strings2, valid2))
+        p.groups = groups
+        p.B = B
+        p.req_sample = p.imp_req = None
+        if self.req_slot is not None:
+            roff = next(off for g, _, off, *_ in groups if g == "req")
+            p.req_sample = np.repeat(np.arange(B, dtype=np.int64), np.diff(roff))
+            if self.rni is not None and self.imp_slot is not None:
+                p.imp_req = np.repeat(np.arange(len(req_e), dtype=np.int64), self.rni[req_e])
+        return p
+
+    def assemble_range(self, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
+        """Samples ``a:b`` of a :meth:`permuted` buffer as one batch (same bytes as
+        ``assemble(perm[a:b])`` on the unpermuted buffer)."""
+        B = b - a
+        counts = np.zeros(self.nslot, np.int64)
+        counts[0], counts[1] = B, B + 1
+        work = []
+        rng = {}
+        for g, sub, off, n_slot, blocks, strings, valid in self.groups:
+            if off is None:
+                ea, eb, new = a, b, None
+            else:
+                ea, eb = int(off[a]), int(off[b])
+                new = off[a: b + 1] - ea
+                counts[n_slot], counts[n_slot + 1] = eb - ea, eb - ea + 1
+            rng[g] = (ea, eb)
+            snew = None
+            if strings is not None:
+                _, _, _, soff, first = strings
+                snew = soff[:, ea: eb + 1] - soff[:, ea: ea + 1]
+                counts[first: first + len(soff)] = snew[:, -1]
+            work.append((g, sub, ea, eb, new, blocks, strings, valid, snew))
+        numel = counts[self.slot]
+        nbytes = numel * self.itemsize
+        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        pos = np.cumsum(aligned) - aligned
+        total = int(aligned.sum())
+        buf = alloc(max(total, ALIGN))
+        out = buf.numpy()
+        pad = _np_ranges(pos + nbytes, aligned - nbytes)
+        if len(pad):
+            out[pad] = 0  # zeroed padding: equal batches are equal bytes
+        if len(out) > total:
+            out[total:] = 0
+        P = pos.tolist()
+        A = aligned.tolist()
+        where = self.where
+
+        def block(key, dt, rows, n):
+            i = where[key]
+            stride = A[i] // np.dtype(dt).itemsize
+            return out[P[i]: P[i] + rows * A[i]].view(dt).reshape(rows, stride)[:, :n]
+
+        for g, sub, ea, eb, new, blocks, strings, valid, snew in work:
+            n = eb - ea
+            if new is not None:
+                i = where[layout_key(g, sub, 0, "", 0)]
+                out[P[i]: P[i] + 8 * (B + 1)].view(np.int64)[:] = new
+            for key, V in blocks:
+                block(key, V.dtype, len(V), n)[:] = V[:, ea:eb]
+            if strings is not None:
+                bkey, skey, data, soff, _ = strings
+                i0 = where[bkey]
+                lo, hi = soff[:, ea].tolist(), soff[:, eb].tolist()
+                for c in range(len(soff)):
+                    out[P[i0 + c]: P[i0 + c] + hi[c] - lo[c]] = data[lo[c]: hi[c]]
+                block(skey, np.int64, len(soff), n + 1)[:] = snew
+            if valid is not None:
+                key, V = valid
+                block(key, V.dtype, len(V), n)[:] = V[:, ea:eb]
+        if self.req_sample is not None:
+            ra, rb = rng["req"]
+            i = where[layout_key("req", 0, 5, "", 0)]
+            np.subtract(self.req_sample[ra:rb], a, out=out[P[i]: P[i] + 8 * (rb - ra)].view(np.int64))
+            if self.imp_req is not None:
+                ia, ib = rng["imp"]
+                i = where[layout_key("imp", 0, 5, "", 0)]
+                np.subtract(self.imp_req[ia:ib], ra, out=out[P[i]: P[i] + 8 * (ib - ia)].view(np.int64))
+        spec = tuple(zip(self.names, self.dtypes, P, numel.tolist()))
+        m = dict(meta)
+        m["num_samples"] = B
+        m["columns"] = self.columns
+        m["events"] = int(counts[self.seq_slot]) if self.seq_slot is not None and B else 0
+        m["impressions"] = int(counts[self.imp_slot]) if self.imp_req is not None else 0
+        return JaggedBatch(buf, spec, m)
 
     def assemble(self, idx, alloc, meta: dict) -> JaggedBatch:
         """Gather samples ``idx`` (row numbers of this buffer) into one buffer from ``alloc(nbytes)``."""
@@ -313,8 +523,10 @@ class Prepared:
             if new is not None:
                 i = where[layout_key(g, sub, 0, "", 0)]
                 out[P[i]: P[i] + 8 * (B + 1)].view(np.int64)[:] = new
-            for key, V in blocks:
-                np.take(V, e, axis=1, out=block(key, V.dtype, len(V), n), mode="clip")
+            for key, cs in blocks:
+                o = block(key, cs[0].dtype, len(cs), n)
+                for r, v in enumerate(cs):
+                    np.take(v, e, out=o[r], mode="clip")
             if strings is not None:
                 bkey, skey, data, soff, _ = strings
                 s0, ln = sl[0].ravel(), sl[1].ravel()
@@ -325,8 +537,10 @@ class Prepared:
                     out[dst] = data[_np_ranges(s0, ln)]
                 block(skey, np.int64, len(soff), n + 1)[:] = snew
             if valid is not None:
-                key, V = valid
-                np.take(V, e, axis=1, out=block(key, V.dtype, len(V), n), mode="clip")
+                key, cs = valid
+                o = block(key, cs[0].dtype, len(cs), n)
+                for r, v in enumerate(cs):
+                    np.take(v, e, out=o[r], mode="clip")
         if self.req_slot is not None:
             i = where[layout_key("req", 0, 5, "", 0)]
             R = len(req_e)
@@ -347,6 +561,7 @@ class Prepared:
 
 def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> JaggedBatch:
     """Gather samples ``idx`` (rows of ``cols``) into one buffer from ``alloc(nbytes)``."""
+    cols = _torch_cols(cols)
     dev = next(iter(cols.values())).values.device
     idx = idx.to(dev).long()
     B = int(idx.numel())
