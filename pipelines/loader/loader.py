@@ -68,6 +68,7 @@ class _Ring:
 def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next."""
     torch.set_num_threads(1)
+    ds.read_threads = False  # one core per worker: Arrow's thread pool would only compete with the others
     ring = _Ring(nslots, sem)
     while True:
         msg = cmd.get()
@@ -75,10 +76,17 @@ def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int) -> 
             return
         plan, start, k = msg
         ds._plans = {plan.epoch: plan}  # the trainer's plan (computed once there; no collective here)
+        last_columns = None
         try:
             for b in ds.batches(worker, k, start, alloc=ring.alloc, epoch=plan.epoch):
                 slot, fresh = ring.sent()
-                q.put(("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, b.meta))
+                meta = dict(b.meta)
+                meta.pop("roles", None)  # the trainer has them; send the column table only when it changes
+                if meta.get("columns") == last_columns:
+                    meta.pop("columns")
+                else:
+                    last_columns = meta["columns"]
+                q.put(("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
             q.put(("done", worker))
         except BaseException as e:  # noqa: BLE001 (everything goes back to the trainer)
             q.put(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
@@ -299,6 +307,7 @@ class UserwiseLoader:
         for w in range(k):
             pool.cmd[w].put((plan, start, k))
         alloc = self._alloc() or _host_alloc
+        roles, columns = ds.shards.roles, [None] * k
         clean = False
         try:
             for j in range(start, plan.num_batches):
@@ -311,6 +320,11 @@ class UserwiseLoader:
                 if msg[0] != "batch" or msg[1] != j:
                     raise RuntimeError(f"loader worker {w} sent {msg[:2]} where batch {j} was due")
                 _, _, slot, fresh, n, spec, meta = msg
+                if "columns" in meta:
+                    columns[w] = meta["columns"]
+                else:
+                    meta["columns"] = columns[w]
+                meta["roles"] = roles
                 if fresh is not None:
                     pool.slots[w][slot] = fresh
                 dst = alloc(n)
