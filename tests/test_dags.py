@@ -146,6 +146,21 @@ def test_dag_timetable_first_run_processes_start_date():
     assert common().processed_day(info.data_interval.end) == dt.date(2026, 1, 1)
 
 
+def test_manual_run_processes_the_day_before_its_logical_date():
+    """Airflow 3 infers a manual run's interval as the one ending at the logical date.
+
+    So `airflow dags test userwise_daily 2026-01-02` (or dag.test(logical_date=2026-01-02))
+    processes 2026-01-01, while the scheduled run for 2026-01-01 has logical date
+    2026-01-01 and the interval [01-01, 01-02): both process 2026-01-01.
+    """
+    import pendulum
+    from airflow.timetables.interval import CronDataIntervalTimetable
+
+    tt = CronDataIntervalTimetable("0 0 * * *", timezone="UTC")
+    iv = tt.infer_manual_data_interval(run_after=pendulum.datetime(2026, 1, 2, tz="UTC"))
+    assert common().processed_day(iv.end) == dt.date(2026, 1, 1)
+
+
 def test_settings_precedence_run_conf_over_variable_over_file(tmp_path):
     c = common()
     f = c.load_file()
@@ -200,13 +215,14 @@ def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
         "spark_conf: {spark.driver.memory: 1g, spark.sql.shuffle.partitions: '2'}\n")
     env = env_with_spark_bin()
     env.update(USERWISE_AIRFLOW_CONFIG=str(cfg), AIRFLOW_HOME=str(airflow_home),
+               AIRFLOW__CORE__DAGS_FOLDER=str(DAG_FOLDER), AIRFLOW__CORE__LOAD_EXAMPLES="False",
                AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type": "spark", "host": "local[2]"}')
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
     script = (
         "import datetime as dt, sys\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
         f"dag = DagBag(dag_folder={str(DAG_FOLDER)!r}).dags['userwise_daily']\n"
-        "run = dag.test(logical_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), run_conf=%s)\n"
+        "run = dag.test(logical_date=dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc), run_conf=%s)\n"
         "print('STATE', run.state)\n"
         "sys.exit(0 if str(run.state).endswith('success') else 1)\n")
     first = subprocess.run([sys.executable, "-c", script % "None"], env=env, capture_output=True, text=True)
@@ -218,7 +234,7 @@ def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
                            "incremental/2026-01-02/node=1/shard-00001.parquet"}
     # second run of the same day (explicit override, a fresh run id): same tables, same shard bytes
     second = subprocess.run([sys.executable, "-c", (script % "{'date': '2026-01-01'}").replace(
-        "dt.datetime(2026, 1, 1,", "dt.datetime(2026, 1, 9,")], env=env, capture_output=True, text=True)
+        "dt.datetime(2026, 1, 2,", "dt.datetime(2026, 1, 9,")], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert table_digest(tmp_path / "build") == tables
     assert shard_digest(tmp_path / "shards") == shards
