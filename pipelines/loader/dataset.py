@@ -271,34 +271,60 @@ class UserwiseDataset(IterableDataset):
                 cols[n].validity = torch.from_numpy(np.concatenate(vs)).to(cols[n].values.device)
         return cols
 
-    def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None):
+    def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None,
+                read_ahead: bool | None = None):
         """This rank's batches for one worker: buffers ``i % num_workers == worker``,
-        in epoch order, skipping batches before ``start`` (epoch index)."""
+        in epoch order, skipping batches before ``start`` (epoch index).
+
+        ``read_ahead`` (default: when this process decodes alone, ``num_workers <= 1``):
+        a thread reads and shuffles the next buffer while this one's batches are cut
+        (Arrow and numpy release the GIL, so it overlaps on a second core)."""
         plan = self.plan(epoch)
         alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         firsts = plan.first_batch()
         roles = self.shards.roles
-        for i, buf in enumerate(plan.buffers):
-            if i % max(1, num_workers) != worker:
-                continue
-            j0 = int(firsts[i])
-            if j0 + buf.num_batches <= start:
-                continue
-            src = self.prepare(self.read_buffer(buf.rgs)) if len(buf.rgs) else None
-            if isinstance(src, decode.Prepared):  # host: shuffle the whole buffer once, then cut ranges
-                src = src.permuted(buf.perm)
-            for k in range(buf.num_batches):
-                j = j0 + k
-                if j < start:
-                    continue
-                meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
-                a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
-                if src is None:
-                    yield self._empty(meta, alloc)
-                elif isinstance(src, decode.Prepared):
-                    yield src.assemble_range(a, b, alloc, meta)
+        mine = [(i, buf) for i, buf in enumerate(plan.buffers)
+                if i % max(1, num_workers) == worker and int(firsts[i]) + buf.num_batches > start]
+        if read_ahead is None:
+            read_ahead = num_workers <= 1 and self.data_path != "gds"
+        pool = None
+        if read_ahead and len(mine) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="userwise-read")
+        try:
+            nxt = pool.submit(self._load, mine[0][1]) if pool and mine else None
+            for n, (i, buf) in enumerate(mine):
+                if nxt is not None:
+                    src = nxt.result()
+                    nxt = pool.submit(self._load, mine[n + 1][1]) if n + 1 < len(mine) else None
                 else:
-                    yield self.gather(src, buf.perm[a:b], alloc, meta)
+                    src = self._load(buf)
+                j0 = int(firsts[i])
+                for k in range(buf.num_batches):
+                    j = j0 + k
+                    if j < start:
+                        continue
+                    meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
+                    a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
+                    if src is None:
+                        yield self._empty(meta, alloc)
+                    elif isinstance(src, decode.Prepared):
+                        yield src.assemble_range(a, b, alloc, meta)
+                    else:
+                        yield self.gather(src, buf.perm[a:b], alloc, meta)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _load(self, buf):
+        """Read one buffer; host columns come back shuffled (each batch is then a contiguous range)."""
+        if not len(buf.rgs):
+            return None
+        src = self.prepare(self.read_buffer(buf.rgs))
+        if isinstance(src, decode.Prepared):
+            src = src.permuted(buf.perm)
+        return src
 
     @staticmethod
     def prepare(cols: dict):
