@@ -8,6 +8,7 @@ the submitted configuration wins and we only add what is missing.
 from __future__ import annotations
 
 import os
+import sys
 
 from . import jars
 
@@ -52,6 +53,10 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     elif not submitted:
         b = b.master(os.environ.get("USERWISE_SPARK_MASTER", "local[2]"))
     local = not submitted and (master is None or master.startswith("local"))
+    if not submitted:
+        # Python workers must run the interpreter that has our dependencies, not `python3`.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if local:
         for k, v in _LOCAL_DEFAULTS.items():
             b = b.config(k, v)
