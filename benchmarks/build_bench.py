@@ -1,0 +1,440 @@
+"""`userwise build` on a synthetic fat-row log against the I/O floor, side by side.
+
+    .venv/bin/python benchmarks/build_bench.py                      # 50k, 100k, 200k impressions, L=50
+    .venv/bin/python benchmarks/build_bench.py --sizes 50000 --reps 1 --no-plot   # a quick check
+    .venv/bin/python benchmarks/build_bench.py --scale 20          # 1M, 2M, 4M (a bigger machine)
+
+Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
+``--max-seq-len``), with one shared local SparkSession:
+
+1. ``userwise synth --kinds fat`` writes the fat-row log (not timed);
+2. the floor: ``spark.read`` the same log and write it back as Parquet;
+3. the build: ``userwise.pipelines.build.build(spark, cfg, ...)`` in-process
+   (as-of = the day after the log, the last day an incremental window, the
+   days before it pretrain);
+   floor and build alternate, ``--reps`` times; the minimum of each is reported.
+   Target: build <= 2x floor, and seconds per impression flat over the sizes.
+4. bytes: the fat-row log rewritten in training order (rows shuffled, zstd
+   Parquet via pyarrow) vs the samples table's data files; decoded in memory:
+   the Arrow size (``Table.nbytes``) of the fat-row table vs the samples table.
+
+Profile: the build module's steps (ingest, pretrain samples, history seed,
+history update, window samples, report) are wrapped by name at run time (the
+build code is not changed) so each runs under its own Spark job group and is
+timed; with the UI on (default) the stage metrics of each step come from the
+UI's REST API: jobs, stages, tasks, executor run time, and the slowest stages
+with their call sites. A small warm-up build (not timed) runs first.
+
+Output: a table on stdout, ``--json`` (default docs/img/build_bench.json) and
+``--plot`` (default docs/img/build_bench.png). Keep sizes small on a shared
+machine; the ratios are what matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# The Spark UI's REST API (shared with skew_report.py)
+# ---------------------------------------------------------------------------
+def rest(spark, path: str):
+    """GET <ui>/api/v1/applications/<app id>/<path> as JSON."""
+    sc = spark.sparkContext
+    url = sc.uiWebUrl
+    if not url:
+        raise RuntimeError("the Spark UI is off: make the session with get_spark(ui=True)")
+    with urllib.request.urlopen(f"{url}/api/v1/applications/{sc.applicationId}/{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _ms(ts: str | None) -> float | None:
+    """REST time stamps ('2026-01-01T10:00:00.123GMT') to epoch ms."""
+    if not ts:
+        return None
+    import datetime as dt
+
+    return dt.datetime.strptime(ts.replace("GMT", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z").timestamp() * 1000
+
+
+def stage_table(spark) -> dict[tuple[int, int], dict]:
+    """(stageId, attemptId) -> stage summary for every stage the UI still holds."""
+    out = {}
+    for s in rest(spark, "stages"):
+        sub, done = _ms(s.get("submissionTime")), _ms(s.get("completionTime"))
+        out[(s["stageId"], s["attemptId"])] = {
+            "stage": s["stageId"], "attempt": s["attemptId"], "status": s["status"], "tasks": s["numTasks"],
+            "name": s["name"], "wall_s": (done - sub) / 1000 if sub and done else 0.0,
+            "run_s": s.get("executorRunTime", 0) / 1000, "input_records": s.get("inputRecords", 0),
+            "shuffle_read_records": s.get("shuffleReadRecords", 0),
+            "shuffle_write_bytes": s.get("shuffleWriteBytes", 0), "output_records": s.get("outputRecords", 0),
+            "description": s.get("description", ""),
+        }
+    return out
+
+
+def group_metrics(spark, group: str) -> dict:
+    """Jobs, executed stages, tasks and times of one job group."""
+    jobs = [j for j in rest(spark, "jobs") if j.get("jobGroup") == group]
+    stages = stage_table(spark)
+    ids = {sid for j in jobs for sid in j["stageIds"]}
+    ran = [s for (sid, _), s in stages.items() if sid in ids and s["status"] == "COMPLETE"]
+    job_s = sum(((_ms(j.get("completionTime")) or 0) - (_ms(j.get("submissionTime")) or 0)) / 1000 for j in jobs)
+    return {
+        "jobs": len(jobs), "stages": len(ran), "tasks": sum(s["tasks"] for s in ran),
+        "job_wall_s": round(job_s, 2), "stage_wall_s": round(sum(s["wall_s"] for s in ran), 2),
+        "executor_run_s": round(sum(s["run_s"] for s in ran), 2),
+        "stages_by_tasks": {str(n): {"stages": sum(1 for s in ran if s["tasks"] == n),
+                                     "wall_s": round(sum(s["wall_s"] for s in ran if s["tasks"] == n), 2)}
+                            for n in sorted({s["tasks"] for s in ran})},
+        "slowest": [{k: s[k] for k in ("stage", "tasks", "wall_s", "run_s", "name")}
+                    for s in sorted(ran, key=lambda s: -s["wall_s"])[:5]],
+    }
+
+
+# ---------------------------------------------------------------------------
+# Timing the build's steps without changing the build
+# ---------------------------------------------------------------------------
+class Steps:
+    """Wraps the names pipelines.build calls so that each step is timed under its own job group."""
+
+    NAMES = ("ingest_range", "pretrain_samples", "window_samples", "report")
+
+    def __init__(self, spark, ui: bool):
+        self.spark, self.ui = spark, ui
+        self.rows: list[dict] = []
+        self.prefix = ""
+
+    @contextlib.contextmanager
+    def step(self, name: str):
+        sc = self.spark.sparkContext
+        group = f"{self.prefix}{len(self.rows):02d}-{name}"
+        sc.setJobGroup(group, name)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            wall = time.perf_counter() - t
+            sc.setLocalProperty("spark.jobGroup.id", None)
+            row = {"step": name, "wall_s": round(wall, 2), "group": group}
+            self.rows.append(row)
+
+    def collect(self) -> None:
+        """Fill in the REST metrics (call once the build is done)."""
+        if not self.ui:
+            return
+        for row in self.rows:
+            row.update(group_metrics(self.spark, row["group"]))
+
+    @contextlib.contextmanager
+    def installed(self):
+        from userwise.pipelines import build as B
+
+        saved = {n: getattr(B, n) for n in self.NAMES}
+        saved["History"] = B.History
+        steps = self
+
+        def wrap(name, fn):
+            def timed(*a, **k):
+                with steps.step(name):
+                    return fn(*a, **k)
+            return timed
+
+        for n in self.NAMES:
+            setattr(B, n, wrap(n, saved[n]))
+
+        class TimedHistory(saved["History"]):
+            def seed(self, *a, **k):
+                with steps.step("history_seed"):
+                    return super().seed(*a, **k)
+
+            def update(self, *a, **k):
+                with steps.step("history_update"):
+                    return super().update(*a, **k)
+
+        B.History = TimedHistory
+        try:
+            yield self
+        finally:
+            for n, fn in saved.items():
+                setattr(B, n, fn)
+
+    def summary(self) -> list[dict]:
+        """Steps of one build, summed by name."""
+        by: dict[str, dict] = {}
+        for r in self.rows:
+            a = by.setdefault(r["step"], {"step": r["step"], "calls": 0, "wall_s": 0.0, "jobs": 0, "stages": 0,
+                                          "tasks": 0, "executor_run_s": 0.0, "slowest": []})
+            a["calls"] += 1
+            a["wall_s"] = round(a["wall_s"] + r["wall_s"], 2)
+            for k in ("jobs", "stages", "tasks"):
+                a[k] += r.get(k, 0)
+            a["executor_run_s"] = round(a["executor_run_s"] + r.get("executor_run_s", 0.0), 2)
+            for n, v in r.get("stages_by_tasks", {}).items():
+                t = a.setdefault("stages_by_tasks", {}).setdefault(n, {"stages": 0, "wall_s": 0.0})
+                t["stages"] += v["stages"]
+                t["wall_s"] = round(t["wall_s"] + v["wall_s"], 2)
+            a["slowest"] = sorted(a["slowest"] + r.get("slowest", []), key=lambda s: -s["wall_s"])[:5]
+        return list(by.values())
+
+
+# ---------------------------------------------------------------------------
+# The measured pieces
+# ---------------------------------------------------------------------------
+def make_log(out: str, impressions: int, days: int, L: int, seed: int, params=None) -> dict:
+    from userwise.pipelines.synth import synth
+
+    return synth(out, days=days, impressions=impressions, max_seq_len=L, kinds=("fat",), seed=seed,
+                 params=params, log=io.StringIO())
+
+
+def floor_run(spark, log_path: str, out: str) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    spark.read.option("basePath", log_path).parquet(log_path).write.mode("overwrite").parquet(out)
+    return time.perf_counter() - t
+
+
+def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:
+    from userwise.pipelines.build import build
+
+    shutil.rmtree(out, ignore_errors=True)
+    ctx = steps.installed() if steps else contextlib.nullcontext()
+    with ctx:
+        t = time.perf_counter()
+        rep = build(spark, cfg, log_path, out, as_of, days - 1, 1)
+        el = time.perf_counter() - t
+    if not rep["reconciled"]:
+        raise SystemExit(f"build did not reconcile: {rep}")
+    return el, rep
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        if "_delta_log" in root:
+            continue
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                     if f.endswith(".parquet") and not f.startswith("."))
+    return total
+
+
+def byte_report(log_path: str, build_out: str, workdir: str, seed: int) -> dict:
+    """Fat rows in training order vs user-wise samples: on disk and decoded in memory."""
+    from userwise.pipelines.inputs import arrow_dataset
+
+    fat = arrow_dataset(log_path).to_table()
+    perm = np.random.default_rng(seed).permutation(fat.num_rows)
+    shuffled = fat.take(pa.array(perm))
+    spath = os.path.join(workdir, "fat_training_order.parquet")
+    pq.write_table(shuffled, spath, compression="zstd")
+    samples_path = os.path.join(build_out, "samples")
+    samples = arrow_dataset(samples_path).to_table()
+    requests = arrow_dataset(os.path.join(build_out, "requests")).to_table()
+    r = {
+        "fat_rows": fat.num_rows,
+        "samples_rows": samples.num_rows,
+        "disk_fat_as_written": dir_bytes(log_path),
+        "disk_fat_training_order": os.path.getsize(spath),
+        "disk_samples": dir_bytes(samples_path),
+        "disk_requests": dir_bytes(os.path.join(build_out, "requests")),
+        "mem_fat": fat.nbytes,
+        "mem_samples": samples.nbytes,
+        "mem_requests": requests.nbytes,
+    }
+    r["disk_ratio"] = round(r["disk_fat_training_order"] / r["disk_samples"], 2)
+    r["mem_ratio"] = round(r["mem_fat"] / r["mem_samples"], 2)
+    os.remove(spath)
+    return r
+
+
+# ---------------------------------------------------------------------------
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["impressions"] for r in res["sizes"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(sizes, [r["build_s"] for r in res["sizes"]], "o-", label="build")
+    a1.plot(sizes, [r["floor_s"] for r in res["sizes"]], "s-", label="floor (read + write Parquet)")
+    a1.plot(sizes, [2 * r["floor_s"] for r in res["sizes"]], ":", color="gray", label="target: 2x floor")
+    a1.set_xlabel("impressions (fat rows)")
+    a1.set_ylabel("seconds")
+    a1.set_yscale("log")
+    a1.set_title(f"build vs I/O floor, L={res['args']['max_seq_len']}, local[2]")
+    a1.legend()
+    b = res["sizes"][-1]["bytes"]
+    labels = ["disk", "in memory (Arrow)"]
+    fat = [b["disk_fat_training_order"] / 2**20, b["mem_fat"] / 2**20]
+    uw = [b["disk_samples"] / 2**20, b["mem_samples"] / 2**20]
+    x = np.arange(2)
+    a2.bar(x - 0.2, fat, 0.4, label="fat rows (training order)")
+    a2.bar(x + 0.2, uw, 0.4, label="user-wise samples")
+    for i in range(2):
+        a2.text(x[i] - 0.2, fat[i], f"{fat[i]:.1f}", ha="center", va="bottom")
+        a2.text(x[i] + 0.2, uw[i], f"{uw[i]:.1f}", ha="center", va="bottom")
+    a2.set_xticks(x, labels)
+    a2.set_ylabel("MiB")
+    a2.set_title(f"bytes at {res['sizes'][-1]['impressions']:,} impressions")
+    a2.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="50000,100000,200000", help="comma list of target impressions")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every size (bigger machines)")
+    p.add_argument("--days", type=int, default=2, help="UTC days of log: the last one is an incremental window")
+    p.add_argument("--max-seq-len", type=int, default=50)
+    p.add_argument("--reps", type=int, default=1, help="floor/build pairs per size (the minimum is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bot-factor", type=float, default=None,
+                   help="the bot's rate as a multiple of the median user (default: synth's, 300)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--no-ui", action="store_true", help="no Spark UI: no per-step stage metrics")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Spark conf for the session (experiments, e.g. "
+                        "spark.databricks.delta.snapshotPartitions=2)")
+    p.add_argument("--json", default=os.path.join(REPO, "docs", "img", "build_bench.json"))
+    p.add_argument("--plot", default=os.path.join(REPO, "docs", "img", "build_bench.png"))
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.days < 2:
+        raise SystemExit("--days must be at least 2 (pretrain days + one incremental window)")
+    sizes = [int(int(s) * args.scale) for s in args.sizes.split(",")]
+
+    from userwise.pipelines import config as C
+    from userwise.pipelines.spark import get_spark
+    from userwise.pipelines.synth import SynthParams
+
+    import datetime as dt
+
+    work = args.workdir or tempfile.mkdtemp(prefix="build-bench-")
+    os.makedirs(work, exist_ok=True)
+    ui = not args.no_ui
+    conf = {"spark.ui.retainedJobs": "20000", "spark.ui.retainedStages": "50000"}
+    conf.update(kv.split("=", 1) for kv in args.conf)
+    spark = get_spark(ui=ui, conf=conf)
+    as_of = (dt.date(2026, 1, 1) + dt.timedelta(days=args.days)).isoformat()
+    print(f"build bench: sizes {sizes}, {args.days} days, L={args.max_seq_len}, "
+          f"master {spark.sparkContext.master}, workdir {work}", flush=True)
+
+    if not args.no_warmup:
+        # JVM, Delta and codegen warm-up on a tiny log (bot at 5x the median instead of 300x): not timed.
+        wlog = os.path.join(work, "warm", "log")
+        make_log(wlog, 2000, args.days, args.max_seq_len, args.seed,
+                 params=dataclasses.replace(SynthParams(), bot_factor=5.0))
+        cfg = C.load(os.path.join(wlog, "config_fat.yaml"))
+        floor_run(spark, os.path.join(wlog, "fat"), os.path.join(work, "warm", "floor"))
+        t = time.perf_counter()
+        build_run(spark, cfg, os.path.join(wlog, "fat"), os.path.join(work, "warm", "build"), as_of, args.days, None)
+        print(f"warm-up build (not counted): {time.perf_counter() - t:.1f} s", flush=True)
+        shutil.rmtree(os.path.join(work, "warm"), ignore_errors=True)
+
+    rows = []
+    for n in sizes:
+        d = os.path.join(work, f"n{n}")
+        params = dataclasses.replace(SynthParams(), bot_factor=args.bot_factor) if args.bot_factor else None
+        s = make_log(os.path.join(d, "log"), n, args.days, args.max_seq_len, args.seed, params=params)
+        log_path = os.path.join(d, "log", "fat")
+        cfg = C.load(os.path.join(d, "log", "config_fat.yaml"))
+        rows_in = sum(s["rows"]["fat"].values())
+        floors, builds, steps, rep = [], [], None, None
+        for k in range(args.reps):
+            floors.append(floor_run(spark, log_path, os.path.join(d, "floor")))
+            st = Steps(spark, ui)
+            st.prefix = f"n{n}-r{k}-"
+            el, rep = build_run(spark, cfg, log_path, os.path.join(d, "build"), as_of, args.days, st)
+            builds.append(el)
+            st.collect()
+            if steps is None or el <= min(builds):
+                steps = st
+        b = byte_report(log_path, os.path.join(d, "build"), d, args.seed)
+        row = {
+            "impressions": rows_in, "target": n, "users": s["users"],
+            "bot_impressions": None, "floor_s": round(min(floors), 2), "build_s": round(min(builds), 2),
+            "floor_all_s": [round(x, 2) for x in floors], "build_all_s": [round(x, 2) for x in builds],
+            "samples": rep["samples"], "requests": rep["requests"], "steps": steps.summary(), "bytes": b,
+        }
+        import pyarrow.compute as pc
+        from userwise.pipelines.inputs import arrow_dataset
+
+        uid = arrow_dataset(log_path).to_table(columns=["user_id"])["user_id"]
+        row["bot_impressions"] = int(pc.sum(pc.equal(uid, s["bot_user_id"])).as_py())
+        row["ratio"] = round(row["build_s"] / row["floor_s"], 1)
+        row["build_us_per_imp"] = round(row["build_s"] / rows_in * 1e6, 1)
+        row["floor_us_per_imp"] = round(row["floor_s"] / rows_in * 1e6, 1)
+        rows.append(row)
+        print(f"  {rows_in:>9,} impressions: floor {row['floor_s']:7.1f} s, build {row['build_s']:7.1f} s, "
+              f"build/floor {row['ratio']:.1f}x", flush=True)
+        if not args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+    res = {"args": vars(args), "sizes": rows, "master": spark.sparkContext.master,
+           "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+    base = rows[0]["build_us_per_imp"]
+    for r in rows:
+        r["per_imp_vs_smallest"] = round(r["build_us_per_imp"] / base, 2)
+    print()
+    print(f"{'impressions':>12} {'bot share':>9} {'floor s':>8} {'build s':>8} {'build/floor':>11} "
+          f"{'us/imp build':>12} {'vs smallest':>11} {'us/imp floor':>12}")
+    for r in rows:
+        print(f"{r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>9.1%} {r['floor_s']:>8.1f} "
+              f"{r['build_s']:>8.1f} {r['ratio']:>10.1f}x {r['build_us_per_imp']:>12.1f} "
+              f"{r['per_imp_vs_smallest']:>11.2f} {r['floor_us_per_imp']:>12.1f}")
+    print("\nsteps of the build (largest size):")
+    print(f"{'step':>16} {'calls':>5} {'wall s':>7} {'share':>6} {'jobs':>5} {'stages':>6} {'tasks':>6} {'exec s':>7}")
+    last = rows[-1]
+    for st in last["steps"]:
+        print(f"{st['step']:>16} {st['calls']:>5} {st['wall_s']:>7.1f} {st['wall_s'] / last['build_s']:>6.0%} "
+              f"{st['jobs']:>5} {st['stages']:>6} {st['tasks']:>6} {st['executor_run_s']:>7.1f}")
+    tot: dict[str, list] = {}
+    for st in last["steps"]:
+        for n, v in st.get("stages_by_tasks", {}).items():
+            t = tot.setdefault(n, [0, 0.0])
+            t[0] += v["stages"]
+            t[1] += v["wall_s"]
+    if tot:
+        print("stage wall time by tasks per stage: " + ", ".join(
+            f"{n} tasks: {v[0]} stages {v[1]:.0f} s" for n, v in sorted(tot.items(), key=lambda kv: -kv[1][1])))
+    b = last["bytes"]
+    print("\nbytes (largest size):")
+    print(f"  on disk:   fat rows as written {b['disk_fat_as_written']:,}, fat rows in training order "
+          f"{b['disk_fat_training_order']:,}, user-wise samples {b['disk_samples']:,}  -> {b['disk_ratio']}x")
+    print(f"  in memory: fat rows {b['mem_fat']:,}, user-wise samples {b['mem_samples']:,}  -> {b['mem_ratio']}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"\nwrote {args.json}")
+    if not args.no_plot:
+        plot(res, args.plot)
+        print(f"wrote {args.plot}")
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
