@@ -1,17 +1,29 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
-    python benchmarks/loader_bench.py [--samples 3000] [--batch-size 128] [--workers 1 2] [--row-group-rows 512]
+    python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
+                                      [--repeats 5] [--json out.json] [--plot docs/img/loader_throughput.png]
+                                      [--before earlier.json] [--shards DIR]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
-   else (``pq.ParquetFile.read_row_group`` over every row group). The loader's
-   samples/s and events/s are reported as a share of it (target >= 0.8).
+   else (``pq.ParquetFile.read_row_group`` over every row group, every column
+   the loader reads). The loader's samples/s and events/s are reported as a
+   share of it (target >= 0.8).
 2. Point-wise baseline: the same data expanded to fat point-wise rows (every
    impression carries its visible history) in Parquet, read by a plain
    ``torch.utils.data.Dataset`` + ``DataLoader`` (per-row ``__getitem__``,
-   default collate). Reported: impressions delivered per second, each with its
-   history, loader / point-wise (target >= 20x).
-Runs with the listed worker counts (default 1 and 2). Keep sizes small on a
-shared machine; the ratios are what matters.
+   default-style collate) with the same number of workers. Reported:
+   impressions delivered per second, each with its history, loader /
+   point-wise (target >= 20x).
+
+Steady state: one loader per worker count is built and run for one warm-up
+epoch (worker start-up, first decode; reported separately as ``startup_s``),
+then ``--repeats`` epochs are timed, each right next to one ceiling pass (so
+both see the same machine load); the reported share is the median of the
+per-pair ratios. The point-wise DataLoader is timed from its first batch
+(start-up excluded, ``persistent_workers`` with workers) for ``--pointwise-cap-s``
+seconds per repeat. ``cpu_efficiency`` (ceiling CPU seconds / loader CPU
+seconds, workers included) is a load-independent companion figure. Keep sizes moderate on a shared machine (the default is
+about 13 MB of shards); the ratios are what matters.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -26,38 +39,55 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 
-def ceiling(root: str) -> dict:
+def ceiling(root: str, columns=None) -> dict:
+    """pyarrow reading every row group of the node's shards into memory (nothing else)."""
     man = json.load(open(os.path.join(root, "manifest.json")))
+    c0 = cpu_now()
     t = time.perf_counter()
     rows = events = 0
     for s in man["shards"]:
         pf = pq.ParquetFile(os.path.join(root, s["path"]))
         for i in range(pf.num_row_groups):
-            rg = pf.read_row_group(i)
+            rg = pf.read_row_group(i, columns=columns)
             rows += rg.num_rows
         events += s["events"]
     el = time.perf_counter() - t
-    return {"samples_per_s": rows / el, "events_per_s": events / el, "s": el}
+    return {"samples": rows, "events": events, "s": el, "cpu_s": cpu_now() - c0}
 
 
-def loader_rate(root: str, batch_size: int, workers: int) -> dict:
-    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+def cpu_now() -> float:
+    """CPU seconds used so far by this process and its children (live workers and reaped ones)."""
+    t = os.times()
+    cpu = t.user + t.system + t.children_user + t.children_system
+    try:
+        import psutil
 
-    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device="cpu")
-    ld = UserwiseLoader(ds, num_workers=workers, device="cpu")
-    t = time.perf_counter()
-    for b in ld:
+        for c in psutil.Process().children(recursive=True):
+            try:
+                ct = c.cpu_times()
+                cpu += ct.user + ct.system
+            except psutil.Error:
+                pass
+    except ImportError:  # pragma: no cover
         pass
-    el = time.perf_counter() - t
-    s = ld.stats.summary()
-    return {"samples_per_s": s["samples"] / el, "events_per_s": s["events"] / el,
-            "impressions_per_s": s["impressions"] / el, "s": el}
+    return cpu
+
+
+def loader_epoch(ld) -> dict:
+    c0 = cpu_now()
+    t = time.perf_counter()
+    samples = events = imps = 0
+    for b in ld:
+        samples += b.num_samples
+        events += int(b.meta.get("events", 0))
+        imps += int(b.meta.get("impressions", 0))
+    return {"samples": samples, "events": events, "impressions": imps, "s": time.perf_counter() - t,
+            "cpu_s": cpu_now() - c0}
 
 
 class PointwiseDataset(torch.utils.data.Dataset):
@@ -93,53 +123,164 @@ def _collate(rows):
     return out
 
 
-def pointwise_rate(path: str, batch_size: int, workers: int, cap_s: float) -> dict:
-    dl = torch.utils.data.DataLoader(PointwiseDataset(path), batch_size=batch_size, num_workers=workers,
-                                     collate_fn=_collate)
-    t = time.perf_counter()
+def pointwise_loader(path: str, batch_size: int, workers: int):
+    return torch.utils.data.DataLoader(PointwiseDataset(path), batch_size=batch_size, num_workers=workers,
+                                       collate_fn=_collate, shuffle=True, persistent_workers=workers > 0)
+
+
+def pointwise_rate(dl, cap_s: float) -> dict:
+    """Impressions/s from the first batch on (start-up excluded), for about cap_s seconds."""
+    t0 = time.perf_counter()
+    it = iter(dl)
     n = 0
-    for b in dl:
+    t = None
+    while True:
+        try:
+            b = next(it)
+        except StopIteration:
+            it = iter(dl)
+            continue
+        if t is None:
+            t, startup = time.perf_counter(), time.perf_counter() - t0
+            continue
         n += len(b["item_id"])
         if time.perf_counter() - t > cap_s:
             break
-    return {"impressions_per_s": n / (time.perf_counter() - t)}
+    del it
+    return {"impressions_per_s": n / (time.perf_counter() - t), "startup_s": startup}
+
+
+def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float) -> dict:
+    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+
+    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device="cpu")
+    ld = UserwiseLoader(ds, num_workers=workers, device="cpu")
+    warm = loader_epoch(ld)  # worker start-up + first decode
+    ceil, lds, pairs = [], [], []
+    for _ in range(repeats):
+        c = ceiling(root)
+        r = loader_epoch(ld)
+        ceil.append(c)
+        lds.append(r)
+        pairs.append(c["s"] / r["s"])  # same samples and events: share of the ceiling's rate
+    steady = statistics.median(r["s"] for r in lds)
+    getattr(ld, "close", lambda: None)()
+    dl = pointwise_loader(pw, batch_size, workers)
+    pws = [pointwise_rate(dl, cap_s) for _ in range(max(1, repeats // 2))]
+    del dl
+    lr = lds[0]
+    pw_rate = statistics.median(p["impressions_per_s"] for p in pws)
+    ld_imps = statistics.median(r["impressions"] / r["s"] for r in lds)
+    ceil_s = statistics.median(c["s"] for c in ceil)
+    return {
+        "workers": workers,
+        "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
+                   "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
+                   "startup_s": max(0.0, warm["s"] - steady)},
+        "ceiling": {"samples_per_s": ceil[0]["samples"] / ceil_s, "events_per_s": ceil[0]["events"] / ceil_s,
+                    "pass_s": [c["s"] for c in ceil]},
+        "pointwise": {"impressions_per_s": pw_rate, "startup_s": statistics.median(p["startup_s"] for p in pws)},
+        "share_of_ceiling": statistics.median(pairs),  # samples/s and events/s alike (same data per pass)
+        "share_of_ceiling_pairs": pairs,
+        # load-independent view: CPU seconds (all processes) per pass, ceiling / loader
+        "cpu_efficiency": statistics.median(c["cpu_s"] for c in ceil) / statistics.median(r["cpu_s"] for r in lds),
+        "impressions_vs_pointwise": ld_imps / pw_rate,
+    }
+
+
+def plot(res: dict, path: str, before: dict | None = None) -> None:
+    """Bar chart per worker count: share of the ceiling and x point-wise (``before``: an
+    earlier run's JSON, e.g. of the previous loader, drawn as grey bars next to it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = res["runs"]
+    old = {r["workers"]: r for r in (before or {}).get("runs", [])}
+    x = list(range(len(runs)))
+    wd = 0.38 if old else 0.6
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    specs = ((axes[0], "share_of_ceiling", 0.8, "share of pyarrow ceiling\n(samples/s, events/s)", "{:.2f}"),
+             (axes[1], "impressions_vs_pointwise", 20, "impressions/s vs point-wise\nDataset+DataLoader", "{:.0f}x"))
+    for ax, key, target, title, fmt in specs:
+        if old:
+            ob = [old[r["workers"]][key] if r["workers"] in old else 0 for r in runs]
+            ax.bar([i - wd / 2 for i in x], ob, wd, color="#bbbbbb", label="before")
+            for i, v in zip(x, ob):
+                ax.text(i - wd / 2, v, fmt.format(v), ha="center", va="bottom", fontsize=8)
+        nb = [r[key] for r in runs]
+        ax.bar([i + (wd / 2 if old else 0) for i in x], nb, wd, color="#4878d0" if key == "share_of_ceiling" else "#ee854a",
+               label="now")
+        for i, v in zip(x, nb):
+            ax.text(i + (wd / 2 if old else 0), v, fmt.format(v), ha="center", va="bottom", fontsize=8)
+        ax.axhline(target, ls="--", c="k", lw=1)
+        ax.set_ylim(0, 1.2 * max(nb + [target] + [old[r["workers"]][key] for r in runs if r["workers"] in old]))
+        ax.set_xticks(x, [str(r["workers"]) for r in runs])
+        ax.set(title=title, xlabel="workers")
+        if old:
+            ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{res['samples']} samples, {res['shard_mb']:.1f} MB of shards, batch {res['batch_size']}, "
+                 f"median of {res['repeats']} paired runs, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="loader vs pyarrow ceiling vs point-wise DataLoader")
-    p.add_argument("--samples", type=int, default=3000)
+    p.add_argument("--samples", type=int, default=40000)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--row-group-rows", type=int, default=512)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--pointwise-cap-s", type=float, default=20.0)
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pointwise-samples", type=int, default=3000, help="samples expanded for the point-wise file")
+    p.add_argument("--pointwise-cap-s", type=float, default=5.0)
+    p.add_argument("--shards", help="reuse (or create) the shard set in this folder")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write a bar chart (PNG) here")
+    p.add_argument("--before", help="an earlier run's --json, drawn next to this one in the plot")
     a = p.parse_args(argv)
     from tests.shardgen import write_shard_set
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
 
-    with tempfile.TemporaryDirectory() as root:
-        write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=a.row_group_rows,
-                        sets=(("incremental", "2026-01-04", "2026-01-05", a.samples),))
-        ds = UserwiseDataset(root, batch_size=1024, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
-        pw = os.path.join(root, "pointwise.parquet")
-        pq.write_table(pa.concat_tables([expand_batch(b) for b in UserwiseLoader(ds)]), pw)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = a.shards or tmp
+        if not os.path.exists(os.path.join(root, "manifest.json")):
+            write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=a.row_group_rows,
+                            sets=(("incremental", "2026-01-04", "2026-01-05", a.samples),))
+        pw = os.path.join(tmp, "pointwise.parquet")
+        ds = UserwiseDataset(root, batch_size=256, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
+        parts, n = [], 0
+        for b in UserwiseLoader(ds):  # the point-wise file: the same data, as many rows as --pointwise-samples give
+            parts.append(expand_batch(b))
+            n += b.num_samples
+            if n >= a.pointwise_samples:
+                break
+        pq.write_table(pa.concat_tables(parts), pw)
+        man = json.load(open(os.path.join(root, "manifest.json")))
         for _ in range(2):  # warm the page cache for everyone
-            ceil = ceiling(root)
-        res = {"samples": a.samples, "ceiling": ceil, "runs": {}}
+            ceiling(root)
+        res = {"samples": sum(s["rows"] for s in man["shards"]), "batch_size": a.batch_size, "repeats": a.repeats,
+               "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(),
+               "loadavg_start": os.getloadavg(), "runs": []}
         for w in a.workers:
-            lr = loader_rate(root, a.batch_size, w)
-            pr = pointwise_rate(pw, a.batch_size, w, a.pointwise_cap_s)
-            res["runs"][w] = {
-                "loader": lr, "pointwise": pr,
-                "share_of_ceiling_samples": lr["samples_per_s"] / ceil["samples_per_s"],
-                "share_of_ceiling_events": lr["events_per_s"] / ceil["events_per_s"],
-                "impressions_vs_pointwise": lr["impressions_per_s"] / pr["impressions_per_s"],
-            }
-            r = res["runs"][w]
-            print(f"workers={w}: loader {lr['samples_per_s']:.0f} samples/s, {lr['events_per_s']:.0f} events/s "
-                  f"= {r['share_of_ceiling_samples']:.2f} of the pyarrow ceiling (target >= 0.8); "
-                  f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x)",
+            r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s)
+            res["runs"].append(r)
+            print(f"workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
+                  f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
+                  f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
+                  f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
+                  f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
+                  f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}",
                   flush=True)
+        res["loadavg_end"] = os.getloadavg()
         print(json.dumps(res, indent=1, default=float))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1, default=float)
+        if a.plot:
+            plot(res, a.plot, json.load(open(a.before)) if a.before else None)
     return 0
 
 
