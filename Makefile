@@ -36,8 +36,10 @@ $(PETA_STAMP): requirements-petastorm.lock $(STAMP)
 jars: $(STAMP)
 	$(BIN)/userwise jars >/dev/null
 
+# pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no test" >&2; exit 1; fi; exit $$rc
 
 demo: setup
 	$(BIN)/python -m userwise.pipelines.demo --output $(DEMO)
