@@ -30,10 +30,17 @@ def read(spark, path: str, version: int | None = None):
 
 
 def version(spark, path: str) -> int:
-    from delta.tables import DeltaTable
+    """The table's current Delta version (read from its log by delta-rs: no Spark job)."""
+    from deltalake import DeltaTable as RsTable
 
-    row = DeltaTable.forPath(spark, path).history(1).select("version").first()
-    return int(row[0])
+    return int(RsTable(path).version())
+
+
+def read_small(path: str, columns: list[str] | None = None):
+    """A small table (a log, a manifest) as Arrow, through delta-rs: no Spark job."""
+    from deltalake import DeltaTable as RsTable
+
+    return RsTable(path).to_pyarrow_table(columns=columns)
 
 
 def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = (), schema=None,

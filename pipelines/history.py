@@ -81,8 +81,8 @@ class History:
     def log(self) -> dict[dt.date, int]:
         if not delta_io.exists(self.spark, self.log_path):
             return {}
-        rows = delta_io.read(self.spark, self.log_path).select("date", "version").collect()  # tiny
-        return {r["date"]: int(r["version"]) for r in rows}
+        t = delta_io.read_small(self.log_path, ["date", "version"])
+        return {d: int(v) for d, v in zip(t.column("date").to_pylist(), t.column("version").to_pylist())}
 
     def _record(self, date: dt.date, retention_days: int) -> int:
         v = delta_io.version(self.spark, self.path)
