@@ -1,11 +1,14 @@
 """Row groups -> flat column buffers -> one contiguous jagged batch.
 
-Arrow decodes a row group; every column becomes flat arrays (values, list
-offsets, string offsets, validity) viewed as torch tensors without copying;
-a batch is gathered from them with vectorised index ops (no per-row Python)
-straight into one buffer that the caller allocates (shared memory in a
-worker, a pinned pool buffer, or device memory on the GDS path). The same
-gather code runs on CPU and CUDA tensors.
+Arrow decodes a buffer of row groups; every column becomes flat arrays
+(values, list offsets, string offsets, validity), numpy views of Arrow's
+buffers where possible. On the host (:class:`Prepared`) the columns of one
+group and dtype are stacked, the whole buffer is shuffled once, and each
+batch is a contiguous range copied with a few slice copies per block
+(:meth:`Prepared.assemble_range`; no per-row Python, no per-column loop per
+batch). Device columns (the GDS path) are gathered with torch index ops by
+:func:`assemble`. Both write the arrays in the order of :func:`layout_key`,
+so the same batch has the same bytes on either path.
 """
 
 from __future__ import annotations

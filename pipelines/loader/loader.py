@@ -1,11 +1,13 @@
 """The loader trainers use in place of torch's DataLoader.
 
-Worker processes decode buffers in parallel and hand each batch over as one
-shared-memory buffer (one file descriptor, no per-array pickling). The main
-process takes batches in the epoch's order (so resumption is exact with any
-number of workers), copies them into a pool of reused pinned buffers and on
-to the device on a side CUDA stream, ``prefetch`` batches ahead, so the copy
-overlaps compute. Without an accelerator the same code yields host batches.
+Persistent worker processes (started once, fed one epoch plan per iteration)
+decode buffers in parallel and write each batch into a ring of reused
+shared-memory buffers (a buffer's handle crosses once; a batch is announced
+by its slot). The main process takes batches in the epoch's order (so
+resumption is exact with any number of workers), copies them out of the ring
+into a pool of reused pinned buffers and on to the device on a side CUDA
+stream, ``prefetch`` batches ahead, so the copy overlaps compute. Without an
+accelerator the same code yields host batches.
 """
 
 from __future__ import annotations
@@ -106,9 +108,15 @@ class _Pool:
         for p in self.procs:
             p.start()
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers: asked to exit when idle (between epochs), terminated when they
+        may be blocked mid-epoch on a full ring (their pending batches are discarded)."""
+        if not graceful:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
         for c, p in zip(self.cmd, self.procs):
-            if p.is_alive():
+            if graceful and p.is_alive():
                 try:
                     c.put(None)
                 except (OSError, ValueError):
@@ -341,13 +349,16 @@ class UserwiseLoader:
             clean = True
         finally:
             if not clean:  # stopped mid-epoch (or failed): workers hold stale work, start fresh ones next time
-                self.close()
+                self._stop_workers(graceful=False)
 
     def close(self) -> None:
         """Stop the worker processes (they are otherwise kept for the next epoch)."""
+        self._stop_workers(graceful=True)
+
+    def _stop_workers(self, graceful: bool) -> None:
         if self._workers is not None:
             self._finalizer.detach()
-            self._workers.close()
+            self._workers.close(graceful)
             self._workers = None
 
     def _get(self, q, proc, w):
