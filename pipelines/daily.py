@@ -190,7 +190,9 @@ def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bounda
     events = delta_io.read(spark, delta_io.table_path(output, "events"))
     events = events_between(cfg, events, None, boundary)
     reqs = _requests(spark, output, None, boundary)
-    df = _samples_for(cfg, layout, events, reqs, "pretrain", None, boundary)
+    # The pretrain set spans from the first request day (one value per set: readers group by it).
+    first = reqs.agg(F.min("date")).first()[0] or boundary
+    df = _samples_for(cfg, layout, events, reqs, "pretrain", first, boundary)
     out = _write_samples(spark, output, layout, df, "pretrain", boundary)
     log(f"pretrain samples before {boundary}: {out['samples']} samples, {out['impressions']} impressions")
     return out
