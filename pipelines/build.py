@@ -16,8 +16,6 @@ import datetime as dt
 import json
 import os
 
-from pyspark.sql import functions as F
-
 from . import buildmeta, delta_io
 from . import config as C
 from .daily import _d, ingest_range, log, pretrain_samples, window_samples
@@ -137,5 +135,3 @@ def cli(args) -> int:
                             f"({json.dumps({k: rep[k] for k in ('rows_read', 'impressions_in_samples', 'after_as_of')})})")
     return 0
 
-
-__all__ = ["build", "windows", "report", "cli", "F"]

@@ -25,7 +25,7 @@ from userwise.schemas import EV, SNAP, Layout
 
 from . import delta_io
 from .config import Config
-from .stream import UNB, CUR, assign_chunks, bucket_of, prefix, route_events, sample_rows
+from .stream import assign_chunks, bucket_of, prefix, route_events, sample_rows
 
 
 def _roles(layout: Layout) -> list[str]:
@@ -136,5 +136,3 @@ def snapshot_counts(spark, output: str, sets: list[tuple[str, str]]) -> dict:
     leak = reqs.where(F.exists(F.col(SNAP + "time"), lambda t: t.cast("long") >= F.col("req_time"))).count()
     return {"overrides": int(s["o"]), "null_snapshots": int(s["n"]), "leaking_snapshots": int(leak)}
 
-
-__all__ = ["fat_samples", "fat_events", "snapshot_counts", "UNB", "CUR"]

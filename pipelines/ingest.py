@@ -138,6 +138,11 @@ def row_reasons(cfg: Config, canon: Canon) -> DataFrame:
     if "date" in canon.input_cols and isinstance(types.get("date"), T.DateType):
         checks.append((F.col("_date") != F.col("date"), "wrong_partition", "date",
                        "the row is filed under another day than its request time's UTC day"))
+    return first_reason(df, checks)
+
+
+def first_reason(df: DataFrame, checks: list[tuple[Column, str, str | None, str]]) -> DataFrame:
+    """Add _reason, _column, _detail: the first check (in order) that the row fails, else nulls."""
     reason = column = detail = F.lit(None).cast("string")
     for cond, r, c, d in reversed(checks):
         hit = F.coalesce(cond, F.lit(False))
@@ -284,13 +289,7 @@ def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, D
     ]
     checks += [(_is_bad_number(F.col(c), types[c]), "bad_label", c, "label is null, NaN or infinite")
                for c in label_cols]
-    reason = column = detail = F.lit(None).cast("string")
-    for cond, r, c, d in reversed(checks):
-        hit = F.coalesce(cond, F.lit(False))
-        reason = F.when(hit, F.lit(r)).otherwise(reason)
-        column = F.when(hit, F.lit(c)).otherwise(column)
-        detail = F.when(hit, F.lit(d)).otherwise(detail)
-    x = x.select("*", reason.alias("_reason"), column.alias("_column"), detail.alias("_detail"))
+    x = first_reason(x, checks)
     ok = x.where(F.col("_reason").isNull() & (F.col("_bits") > 0))
     ev_types = {f.name: f.type for f in S.event_fields(layout)}
     cols = [
