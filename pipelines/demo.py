@@ -29,7 +29,7 @@ def step(title: str, argv: list[str]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output", default="demo")
-    p.add_argument("--users", type=int, default=150)
+    p.add_argument("--users", type=int, default=60)
     p.add_argument("--days", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=50)
     a = p.parse_args(argv)
