@@ -4,8 +4,9 @@ Per sample set (pretrain, or one window) and user:
 1. each request's snapshot (already proven identical across its impressions)
    is exploded; an event's identity is its full tuple plus its occurrence
    number among equal tuples in the snapshot;
-2. the distinct events, ordered by (time, item, other fields, occurrence),
-   are the stitched stream; each gets its index;
+2. the distinct events, ordered by time, then (for equal times) by where the
+   first snapshot holding them lists them, then by their fields, are the
+   stitched stream; each gets its index;
 3. a snapshot whose events sit at consecutive indexes, in order, is a slice
    [seq_begin, seq_end); any other one (edited history, reordered, clock
    skew) is kept whole as an override for its request. A wrong guess costs
@@ -54,16 +55,18 @@ def explode_snapshots(layout: Layout, reqs: DataFrame, keep: tuple[str, ...] = (
 
 
 def stream_order(layout: Layout) -> list[str]:
+    """Time first; events at the same time keep the order of the snapshot that first holds
+    them (legacy logs list same-time clicks in display order, which their fields cannot tell)."""
     roles = _roles(layout)
     rest = [r for r in roles if r not in ("time", "item")]
-    return ["f_time", "f_item", *[f"f_{r}" for r in rest], "occ"]
+    return ["f_time", "_first", "f_item", *[f"f_{r}" for r in rest], "occ"]
 
 
 def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_start, window_end) -> DataFrame:
     roles = _roles(layout)
     fcols = [f"f_{r}" for r in roles]
     x = explode_snapshots(layout, reqs)
-    ev = x.select("user", *fcols, "occ").distinct()
+    ev = x.groupBy("user", *fcols, "occ").agg(F.min(F.struct("req_time", "req_id", "p")).alias("_first"))
     ev = ev.withColumn("_t", _time_units(layout, cfg, F.col("f_time"))).withColumn("_sk", bucket_of(F.col("_t"), cfg))
     ev = ev.withColumn("_one", F.lit(1))
     ev = prefix(ev, ["user"], "_sk", [F.col(c).asc_nulls_first() for c in stream_order(layout)],
