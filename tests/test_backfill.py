@@ -15,7 +15,8 @@ import pytest
 from userwise.pipelines import backfill, publish
 from userwise.pipelines.errors import ShardError, UserwiseError
 
-from .uwchain import DAYS, env_with_spark_bin, shard_digest, synth, table_digest
+from .uwchain import (DAYS, TABLES, env_with_spark_bin, fast_session_conf, shard_digest, submit_conf_args, synth,
+                      table_digest)
 
 
 def _fake_table(root, name, versions):
@@ -70,6 +71,8 @@ def test_publish_refuses_without_samples_or_staged_set(tmp_path):
 
 
 # --------------------------------------------------------------------------- Spark + Delta, end to end
+# One tiny generated log (3 days, 8 users) and one chain of daily runs shared by the tests below:
+# every Spark chain runs as few times as possible (CI has 2 cores).
 ARGS = ["--nodes", "2", "--ranks-per-node", "1"]
 
 
@@ -79,63 +82,89 @@ def _cli_backfill(data, out, shards, d1, d2, *extra):
             "--shards", str(shards), *ARGS, *extra]
 
 
-@pytest.mark.spark
-@pytest.mark.slow
-def test_backfill_equals_daily_runs_skips_published_and_force_is_identical(spark, tmp_path):
+def _cli_env():
+    env = env_with_spark_bin()
+    env["PYSPARK_SUBMIT_ARGS"] = " ".join([*submit_conf_args(), "--driver-memory", "1g", "pyspark-shell"])
+    return env
+
+
+@pytest.fixture(scope="module")
+def fast_spark(spark):
+    restore = fast_session_conf(spark)
+    yield spark
+    restore()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synth(tmp_path_factory.mktemp("bf") / "synth", days=len(DAYS))
+
+
+@pytest.fixture(scope="module")
+def daily_runs(fast_spark, data, tmp_path_factory):
+    """Three daily runs, one day at a time (what the DAG does); digests after each day."""
     from userwise.pipelines import config
 
-    data = synth(tmp_path / "synth")
+    root = tmp_path_factory.mktemp("daily")
+    out, shards = root / "out", root / "shards"
     cfg = config.load(str(data / "config.yaml"))
-    kw = dict(input_path=str(data / "lean"), nodes=2, ranks_per_node=1)
-    # three daily runs, one day at a time (what the DAG does)
+    after = []
     for d in DAYS:
-        backfill.run_day(spark, cfg, output=str(tmp_path / "daily"), shards=str(tmp_path / "daily_s"),
-                         date=dt.date.fromisoformat(d), **kw)
+        backfill.run_day(fast_spark, cfg, input_path=str(data / "lean"), output=str(out), shards=str(shards),
+                         date=dt.date.fromisoformat(d), nodes=2, ranks_per_node=1)
+        after.append((table_digest(out), shard_digest(shards)))
+    return {"out": out, "shards": shards, "after": after, "cfg": cfg}
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_backfill_equals_daily_runs_skips_published_and_force_is_identical(fast_spark, data, daily_runs, tmp_path):
+    cfg = daily_runs["cfg"]
+    kw = dict(input_path=str(data / "lean"), nodes=2, ranks_per_node=1, output=str(tmp_path / "bf"),
+              shards=str(tmp_path / "bf_s"))
     # one backfill over the three days
-    res = backfill.backfill(spark, cfg, date_from=DAYS[0], date_to=DAYS[-1], output=str(tmp_path / "bf"),
-                            shards=str(tmp_path / "bf_s"), **kw)
+    res = backfill.backfill(fast_spark, cfg, date_from=DAYS[0], date_to=DAYS[-1], **kw)
     assert res == {"built": list(DAYS), "skipped": []}
-    assert table_digest(tmp_path / "bf") == table_digest(tmp_path / "daily")
-    assert shard_digest(tmp_path / "bf_s") == shard_digest(tmp_path / "daily_s")
     tables, shards = table_digest(tmp_path / "bf"), shard_digest(tmp_path / "bf_s")
+    assert set(tables) == set(TABLES)
+    assert len(shards) == 2 * len(DAYS)  # one shard per node per day
+    assert (tables, shards) == daily_runs["after"][-1]
     # rerun: everything published, nothing built
-    again = backfill.backfill(spark, cfg, date_from=DAYS[0], date_to=DAYS[-1], output=str(tmp_path / "bf"),
-                              shards=str(tmp_path / "bf_s"), **kw)
+    again = backfill.backfill(fast_spark, cfg, date_from=DAYS[0], date_to=DAYS[-1], **kw)
     assert again == {"built": [], "skipped": list(DAYS)}
     # --force on the last day: identical outputs
-    forced = backfill.backfill(spark, cfg, date_from=DAYS[-1], date_to=DAYS[-1], output=str(tmp_path / "bf"),
-                               shards=str(tmp_path / "bf_s"), force=True, **kw)
-    assert forced["built"] == [DAYS[-1]]
+    forced = backfill.backfill(fast_spark, cfg, date_from=DAYS[-1], date_to=DAYS[-1], force=True, **kw)
+    assert forced == {"built": [DAYS[-1]], "skipped": []}
     assert table_digest(tmp_path / "bf") == tables and shard_digest(tmp_path / "bf_s") == shards
     rec = json.loads((tmp_path / "bf_s" / "incremental" / "2026-01-04" / publish.MARKER).read_text())
     assert rec["date"] == DAYS[-1] and set(rec["tables"]) >= {"requests", "history", "samples"}
+    assert publish.read_record(str(tmp_path / "bf"), "incremental", DAYS[-1]) == rec
 
 
 @pytest.mark.spark
 @pytest.mark.slow
-def test_killed_backfill_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    """SIGKILL the backfill process while day 2 is being built, rerun it: same tables and shards."""
-    data = synth(tmp_path / "synth", days=2)
-    env = env_with_spark_bin()
-    ok = subprocess.run(_cli_backfill(data, tmp_path / "ref", tmp_path / "ref_s", DAYS[0], DAYS[1]),
-                        env=env, capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr[-3000:]
+def test_killed_backfill_resumes_and_matches_an_uninterrupted_run(data, daily_runs, tmp_path):
+    """SIGKILL the backfill once day 2's history MERGE is committed (before its window, shards and
+    record), rerun it: it restores the history, redoes day 2, and the tables and shards equal the
+    uninterrupted daily runs'."""
+    env = _cli_env()
     out, shards = tmp_path / "out", tmp_path / "out_s"
     p = subprocess.Popen(_cli_backfill(data, out, shards, DAYS[0], DAYS[1]), env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while not publish.is_published(out, "incremental", DAYS[0], str(shards)):
-            assert p.poll() is None and time.monotonic() < deadline, "backfill ended before day 1 was published"
-            time.sleep(0.5)
-        time.sleep(8)  # into day 2's requests / history
+        deadline = time.monotonic() + 900
+        # history_log gets one commit per day: version 1 = day 2's MERGE is in the history
+        while (publish.delta_version(out / "history_log") or 0) < 1:
+            assert p.poll() is None, f"backfill ended (exit {p.returncode}) before day 2's history"
+            assert time.monotonic() < deadline, "day 2's history never came"
+            time.sleep(0.2)
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    assert publish.is_published(out, "incremental", DAYS[0], str(shards))
     assert not publish.is_published(out, "incremental", DAYS[1], str(shards))
     resumed = subprocess.run(_cli_backfill(data, out, shards, DAYS[0], DAYS[1]), env=env,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1]) == {"built": [DAYS[1]], "skipped": [DAYS[0]]}
-    assert table_digest(out) == table_digest(tmp_path / "ref")
-    assert shard_digest(shards) == shard_digest(tmp_path / "ref_s")
+    assert (table_digest(out), shard_digest(shards)) == daily_runs["after"][1]

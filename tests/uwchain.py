@@ -12,6 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DAYS = ("2026-01-01", "2026-01-02", "2026-01-03")
 TABLES = ("requests", "events", "history", "samples", "quarantine")
+# Spark settings for tiny tables: few shuffle partitions, and Delta's snapshot state in one partition
+# (Delta's default is 50 tasks per snapshot, which dominates a day of a few hundred rows).
+FAST_CONF = {"spark.sql.shuffle.partitions": "2", "spark.databricks.delta.snapshotPartitions": "1"}
 
 
 def synth(dest: Path, days: int = 3) -> Path:
@@ -44,6 +47,29 @@ def shard_digest(shards: str | Path) -> dict[str, str]:
     for p in sorted(Path(shards).rglob("*.parquet")):
         if "_staging" not in p.parts:
             out[str(p.relative_to(shards))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def fast_session_conf(spark):
+    """Set FAST_CONF on a live session; returns a function that restores the old values."""
+    old = {k: spark.conf.get(k, None) for k in FAST_CONF}
+    for k, v in FAST_CONF.items():
+        spark.conf.set(k, v)
+
+    def restore():
+        for k, v in old.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+    return restore
+
+
+def submit_conf_args() -> list[str]:
+    """FAST_CONF (and no UI) as spark-submit ``--conf`` arguments."""
+    out = []
+    for k, v in {**FAST_CONF, "spark.ui.enabled": "false"}.items():
+        out += ["--conf", f"{k}={v}"]
     return out
 
 
