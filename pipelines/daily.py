@@ -77,10 +77,16 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     limit = ingest.day_start(as_of or end, ups)
     later = F.col("_reason").isNull() & (F.col("_rt") >= F.lit(limit))
     df = df.withColumn("_later", later)
+    # Cross-row checks never mix rows before and after as-of (a request, a duplicate and a
+    # position all live within one day), so they run once over everything; rows left for
+    # a later build keep no reason. One scan counts it all.
+    df = ingest.cross_row_reasons(cfg, canon, df)
+    df = df.withColumn("_reason", F.when(F.col("_later"), F.lit(None)).otherwise(F.col("_reason")))
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    tally = df.groupBy("_later", "_reason").count().collect()  # one row per reason: tiny
+    counts_rows = [r for r in tally if not r["_later"]]
+    n_later = sum(int(r["count"]) for r in tally if r["_later"])
     now = df.where(~F.col("_later"))
-    now = ingest.cross_row_reasons(cfg, canon, now).persist(StorageLevel.MEMORY_AND_DISK)
-    counts_rows = now.groupBy("_reason").count().collect()  # one row per reason: tiny
-    n_later = df.where(F.col("_later")).count()
     q = ingest.quarantine_rows(now, canon.input_cols, "impressions")
     accepted = now.where(F.col("_reason").isNull())
     reqs = ingest.requests_frame(cfg, canon, accepted)
@@ -126,7 +132,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
                      where + (" OR date IS NULL" if start is None else ""),
                      partition_by=("date",), schema=S.QUARANTINE)
     if share > cfg.max_quarantine_share:
-        now.unpersist()
+        df.unpersist()
         raise QuarantineLimitError(
             f"{rejected} of {considered} input rows ({share:.2%}) were quarantined, above "
             f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
@@ -135,7 +141,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
                      schema=S.requests_schema(layout))
     delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
                      schema=S.events_schema(layout))
-    now.unpersist()
+    df.unpersist()
     return Ingested(layout, counts)
 
 
@@ -166,19 +172,26 @@ def _samples_for(cfg, layout, events, reqs, kind, ws, we):
 
 
 def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, kind: str, we: dt.date) -> dict:
+    from .stream import release
+
     path = delta_io.table_path(output, "samples")
-    delta_io.replace(df, path, f"kind = '{kind}' AND window_end = '{we.isoformat()}'",
-                     partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
-    written = (delta_io.read(spark, path)
-               .where((F.col("kind") == kind) & (F.col("window_end") == F.lit(we)))
-               .agg(F.count(F.lit(1)).alias("samples"),
-                    F.coalesce(F.sum("num_impressions"), F.lit(0)).alias("impressions"),
-                    F.coalesce(F.sum("num_requests"), F.lit(0)).alias("requests"),
-                    F.coalesce(F.sum(F.when(F.col("chunk") > 0, 1).otherwise(0)), F.lit(0)).alias("extra_chunks"),
-                    F.coalesce(F.max("cost"), F.lit(0)).alias("max_cost"),
-                    F.coalesce(F.sum(F.size(F.col("req_snapshot")) if layout.fat else F.lit(0)), F.lit(0))
-                    .alias("_x"))
-               .first())
+    try:
+        delta_io.replace(df, path, f"kind = '{kind}' AND window_end = '{we.isoformat()}'",
+                         partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
+    finally:
+        release()
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pds
+
+    cols = ["num_impressions", "num_requests", "chunk", "cost"]
+    t = delta_io.scan(path, cols, (pds.field("kind") == kind) & (pds.field("window_end") == we))
+    written = {
+        "samples": t.num_rows,
+        "impressions": pc.sum(t["num_impressions"]).as_py() or 0,
+        "requests": pc.sum(t["num_requests"]).as_py() or 0,
+        "extra_chunks": pc.sum(pc.greater(t["chunk"], 0).cast("int64")).as_py() or 0,
+        "max_cost": pc.max(t["cost"]).as_py() or 0,
+    }
     return {"kind": kind, "window_end": we.isoformat(), "samples": int(written["samples"]),
             "impressions": int(written["impressions"]), "requests": int(written["requests"]),
             "extra_chunks": int(written["extra_chunks"]), "max_cost": int(written["max_cost"]),

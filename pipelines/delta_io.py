@@ -43,6 +43,29 @@ def read_small(path: str, columns: list[str] | None = None):
     return RsTable(path).to_pyarrow_table(columns=columns)
 
 
+def write_small(path: str, table, predicate: str | None = None) -> None:
+    """Replace rows matching ``predicate`` (or create the table) with a small Arrow table,
+    through delta-rs: one commit, no Spark job. For bookkeeping tables only."""
+    from deltalake import write_deltalake
+
+    write_deltalake(path, table, mode="overwrite",
+                    predicate=predicate if os.path.isdir(os.path.join(path, "_delta_log")) else None)
+
+
+def delete_small(path: str, predicate: str) -> None:
+    from deltalake import DeltaTable as RsTable
+
+    if os.path.isdir(os.path.join(path, "_delta_log")):
+        RsTable(path).delete(predicate)
+
+
+def scan(path: str, columns: list[str], filter=None):
+    """Read a few columns of a Delta table with Arrow (no Spark job)."""
+    from deltalake import DeltaTable as RsTable
+
+    return RsTable(path).to_pyarrow_dataset().to_table(columns=columns, filter=filter)
+
+
 def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = (), schema=None,
             properties: dict[str, str] | None = None) -> None:
     """Atomically replace the rows matching ``where`` (or the whole table) with ``df``.

@@ -26,7 +26,7 @@ from userwise.schemas import EV, SNAP, Layout
 
 from . import delta_io
 from .config import Config
-from .stream import assign_chunks, bucket_of, prefix, route_events, sample_rows
+from .stream import assign_chunks, keep, bucket_of, prefix, route_events, sample_rows
 
 
 def _roles(layout: Layout) -> list[str]:
@@ -71,7 +71,7 @@ def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_
     ev = ev.withColumn("_one", F.lit(1))
     ev = prefix(ev, ["user"], "_sk", [F.col(c).asc_nulls_first() for c in stream_order(layout)],
                 sums={"_cum": "_one"})
-    ev = ev.select("user", *fcols, "occ", (F.col("_cum") - 1).alias("idx"))
+    ev = keep(ev.select("user", *fcols, "occ", (F.col("_cum") - 1).alias("idx")))
     # where each snapshot's events sit in the stream
     j = x.join(ev, on=["user", *fcols, "occ"], how="inner")
     per = j.groupBy("user", "req_id", "req_time").agg(
@@ -98,6 +98,7 @@ def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_
     wc = Window.partitionBy("user", "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     r = (r.withColumn("lo", F.coalesce(F.min("_b").over(wc), F.lit(0)))
           .withColumn("hi", F.coalesce(F.max("_e").over(wc), F.lit(0))))
+    r = keep(r)
     ranges = r.select("user", "chunk", "lo", "hi").distinct()
     routed = route_events(cfg, ev, ranges)
     seq_map = {r_: f"f_{r_}" for r_ in roles}

@@ -9,6 +9,7 @@ of the day before and replays the later dates.
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
@@ -79,22 +80,22 @@ class History:
 
     # -- the log --------------------------------------------------------------
     def log(self) -> dict[dt.date, int]:
-        if not delta_io.exists(self.spark, self.log_path):
+        if not os.path.isdir(os.path.join(self.log_path, "_delta_log")):
             return {}
         t = delta_io.read_small(self.log_path, ["date", "version"])
         return {d: int(v) for d, v in zip(t.column("date").to_pylist(), t.column("version").to_pylist())}
 
     def _record(self, date: dt.date, retention_days: int) -> int:
+        import pyarrow as pa
+
         v = delta_io.version(self.spark, self.path)
-        df = self.spark.createDataFrame(
-            [(date, v, dt.datetime.now(dt.timezone.utc))], S.HISTORY_LOG.to_spark())
-        delta_io.replace(df, self.log_path, f"date = '{date.isoformat()}'", schema=S.HISTORY_LOG)
+        row = pa.Table.from_pylist([{"date": date, "version": v, "written_at": dt.datetime.now(dt.timezone.utc)}],
+                                   schema=S.HISTORY_LOG.to_arrow())
+        delta_io.write_small(self.log_path, row, f"date = '{date.isoformat()}'")
         return v
 
     def _drop_log_from(self, date: dt.date) -> None:
-        if delta_io.exists(self.spark, self.log_path):
-            empty = self.spark.createDataFrame([], S.HISTORY_LOG.to_spark())
-            delta_io.replace(empty, self.log_path, f"date >= '{date.isoformat()}'", schema=S.HISTORY_LOG)
+        delta_io.delete_small(self.log_path, f"date >= '{date.isoformat()}'")
 
     def version_before(self, date: dt.date) -> int | None:
         """Delta version holding the history as of the start of ``date`` (None: empty history)."""

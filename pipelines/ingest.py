@@ -175,26 +175,31 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     df = df.withColumn("_dup", F.row_number().over(wdup))
     df = _mark(df, F.col("_dup") > 1, "duplicate_row", None, "an exact copy of an earlier row")
     ok = F.col("_reason").isNull()
-    # A request claimed by two users.
+    # Request-level checks share one window over the request's rows (one shuffle):
+    # a request claimed by two users, request-level columns that disagree, and
+    # (fat rows) impressions that carry different snapshots. Each rejects the
+    # whole request; the first that applies names the reason.
     wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    differs = lambda key: ~F.min(key).over(wreq).eqNullSafe(F.max(key).over(wreq))  # noqa: E731
+    checks = []
     if cfg.col("request"):
-        df = _mark(df, F.min("_user").over(wreq) != F.max("_user").over(wreq), "request_user_conflict",
-                   cfg.col("request"), "the request id is used by more than one user")
-        ok = F.col("_reason").isNull()
-        wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
-    # Request-level columns must agree within a request.
+        checks.append(("_c_user", differs(F.col("_user")), "request_user_conflict", cfg.col("request"),
+                       "the request id is used by more than one user"))
     req_cols = [f.name for f in layout.request_columns]
     if req_cols:
         key = F.struct(*[F.struct(F.col(c).isNull(), F.col(c)) for c in req_cols])
-        df = _mark(df, ~F.min(key).over(wreq).eqNullSafe(F.max(key).over(wreq)), "request_inconsistent",
-                   ",".join(req_cols), "request-level columns differ between the request's rows")
-        ok = F.col("_reason").isNull()
-        wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        checks.append(("_c_req", differs(key), "request_inconsistent", ",".join(req_cols),
+                       "request-level columns differ between the request's rows"))
     if layout.fat:
         snap = F.struct(*[F.struct(F.col(s.source).isNull(), F.col(s.source)) for s in layout.snapshot])
-        df = _mark(df, ~F.min(snap).over(wreq).eqNullSafe(F.max(snap).over(wreq)), "snapshot_mismatch",
-                   ",".join(layout.snapshot_columns), "impressions of one request carry different snapshots")
-        ok = F.col("_reason").isNull()
+        checks.append(("_c_snap", differs(snap), "snapshot_mismatch", ",".join(layout.snapshot_columns),
+                       "impressions of one request carry different snapshots"))
+    if checks:
+        df = df.select("*", *[c.alias(n) for n, c, *_ in checks])
+        for n, _, reason, column, detail in checks:
+            df = _mark(df, F.col(n), reason, column, detail)
+        df = df.drop(*[n for n, *_ in checks])
+    ok = F.col("_reason").isNull()
     # Two different rows at one (request, position).
     wpos = Window.partitionBy(ok, *rk, "_pos").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     df = _mark(df, F.count(F.lit(1)).over(wpos) > 1, "position_conflict", cfg.col("position") or None,

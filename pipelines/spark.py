@@ -14,6 +14,8 @@ from . import jars
 
 _LOCAL_DEFAULTS = {
     "spark.sql.shuffle.partitions": "8",
+    # Delta rebuilds table state in this many tasks (default 50): far too many locally.
+    "spark.databricks.delta.snapshotPartitions": "2",
     "spark.default.parallelism": "4",
     "spark.driver.memory": "4g",
     "spark.sql.adaptive.enabled": "true",

@@ -31,6 +31,23 @@ from .ingest import day_of
 UNB = Window.unboundedPreceding
 CUR = Window.currentRow
 
+_KEPT: list[DataFrame] = []
+
+
+def keep(df: DataFrame) -> DataFrame:
+    """Persist an intermediate that later steps read twice (a plan branches on it), so its
+    lineage (windows, joins) is computed once; :func:`release` frees them after the write."""
+    from pyspark import StorageLevel
+
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    _KEPT.append(df)
+    return df
+
+
+def release() -> None:
+    while _KEPT:
+        _KEPT.pop().unpersist()
+
 
 def prefix(df: DataFrame, part: list[str], bucket: str, order: list[Column | str],
            sums: dict[str, str] | None = None, maxes: dict[str, str] | None = None) -> DataFrame:
@@ -84,7 +101,7 @@ def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
                          F.lit(0).alias("_is_ev"))
     u = ev.unionByName(rq, allowMissingColumns=True).withColumn("_sk", bucket_of(F.col("_t"), cfg))
     order = [F.col("_t").asc(), F.col("_is_ev").asc()] + [F.col(c).asc_nulls_first() for c in sort_cols]
-    u = prefix(u, ["user"], "_sk", order, sums={"_cum": "_is_ev"})
+    u = keep(prefix(u, ["user"], "_sk", order, sums={"_cum": "_is_ev"}))
     events_idx = u.where(F.col("_is_ev") == 1).select("user", *event_cols(layout),
                                                      (F.col("_cum") - 1).alias("idx"))
     req_end = u.where(F.col("_is_ev") == 0).select("user", F.col("_rid").alias("req_id"),
@@ -101,8 +118,8 @@ def assign_chunks(cfg: Config, reqs: DataFrame) -> DataFrame:
     R = max(0, cap - L - W)
     big = ((F.col("_c") > R) | (F.col("_len") > L)).cast("long")
     r = reqs.withColumn("_big", big).withColumn("_sk", bucket_of(F.col("req_time"), cfg))
-    r = prefix(r, ["user"], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
-               sums={"_ccum": "_c", "_gcum": "_big"}, maxes={"_emax": "_e"})
+    r = keep(prefix(r, ["user"], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
+                    sums={"_ccum": "_c", "_gcum": "_big"}, maxes={"_emax": "_e"}))
     r = r.withColumn("_q", F.coalesce(F.col("_emax"), F.lit(0)) + F.col("_ccum") - F.col("_c"))
     r = (r.withColumn("_k", F.floor(F.col("_q") / F.lit(W)).cast("long"))
           .withColumn("_nb", 1 - F.col("_big")))
@@ -226,6 +243,7 @@ def lean_samples(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
                 .withColumn("hi", F.coalesce(F.col("hi"), F.lit(0)))
                 .withColumn("_b", F.when(F.col("_len") > 0, F.col("_b")).otherwise(F.col("lo")))
                 .withColumn("_e", F.when(F.col("_len") > 0, F.col("_e")).otherwise(F.col("lo"))))
+    reqs = keep(reqs)
     ranges = reqs.select("user", "chunk", "lo", "hi").distinct()
     ev = route_events(cfg, events_idx, ranges)
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
