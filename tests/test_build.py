@@ -193,5 +193,7 @@ def test_years_of_log_build_in_the_same_number_of_jobs(spark, tmp_path, log):
         assert rep["reconciled"] and rep["impressions_in_samples"] > 0
         jobs[years] = len(sc.statusTracker().getJobIdsForGroup(group))
     sc.setJobGroup("", "")
-    assert jobs[3] <= jobs[1] + 2, jobs
-    assert jobs[1] < 365, jobs
+    # Three times the days, about the same jobs (a few more files to list is all), and far
+    # fewer jobs than days.
+    assert jobs[3] <= jobs[1] * 1.1, jobs
+    assert jobs[1] < 365 / 2, jobs
