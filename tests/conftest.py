@@ -21,7 +21,8 @@ def spark(tmp_path_factory):
         app="userwise-tests",
         ui=False,
         conf={
-            "spark.sql.shuffle.partitions": "4",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.databricks.delta.snapshotPartitions": "1",
             "spark.default.parallelism": "2",
             "spark.sql.warehouse.dir": str(wh),
             "spark.driver.memory": "3g",
