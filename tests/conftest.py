@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import pytest
 
-import sys
-
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+# py4j logs at INFO from __del__ at interpreter exit, after pytest closed its streams.
+logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
 @pytest.fixture(scope="session")
