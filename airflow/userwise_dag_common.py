@@ -68,6 +68,20 @@ def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
     return out
 
 
+def default_args(cfg: dict) -> dict[str, Any]:
+    """Retries with exponential backoff, shared by every DAG."""
+    return {
+        "retries": int(cfg["retries"]),
+        "retry_delay": dt.timedelta(minutes=float(cfg["retry_delay_minutes"])),
+        "retry_exponential_backoff": 2.0,
+        "max_retry_delay": dt.timedelta(hours=1),
+    }
+
+
+def start_date(cfg: dict) -> dt.datetime:
+    return dt.datetime.fromisoformat(cfg["start_date"]).replace(tzinfo=dt.timezone.utc)
+
+
 def processed_day(data_interval_end: dt.datetime, override: str | None = None) -> dt.date:
     """The UTC day a run processes: the last day fully ended at ``data_interval_end``.
 

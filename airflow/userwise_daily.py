@@ -36,15 +36,10 @@ s = common.s
 @dag(
     dag_id="userwise_daily",
     schedule=CronDataIntervalTimetable("0 0 * * *", timezone="UTC"),
-    start_date=dt.datetime.fromisoformat(CFG["start_date"]).replace(tzinfo=dt.timezone.utc),
+    start_date=common.start_date(CFG),
     catchup=True,
     max_active_runs=1,
-    default_args={
-        "retries": int(CFG["retries"]),
-        "retry_delay": dt.timedelta(minutes=float(CFG["retry_delay_minutes"])),
-        "retry_exponential_backoff": 2.0,
-        "max_retry_delay": dt.timedelta(hours=1),
-    },
+    default_args=common.default_args(CFG),
     params={"date": None},
     tags=["userwise"],
     doc_md=__doc__,

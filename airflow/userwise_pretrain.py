@@ -28,15 +28,10 @@ s = common.s
 @dag(
     dag_id="userwise_pretrain",
     schedule=CronDataIntervalTimetable("0 0 1 * *", timezone="UTC"),
-    start_date=dt.datetime.fromisoformat(CFG["start_date"]).replace(tzinfo=dt.timezone.utc),
+    start_date=common.start_date(CFG),
     catchup=False,
     max_active_runs=1,
-    default_args={
-        "retries": int(CFG["retries"]),
-        "retry_delay": dt.timedelta(minutes=float(CFG["retry_delay_minutes"])),
-        "retry_exponential_backoff": 2.0,
-        "max_retry_delay": dt.timedelta(hours=1),
-    },
+    default_args=common.default_args(CFG),
     params={"date": None, "pretrain_days": int(CFG["pretrain_days"])},
     tags=["userwise"],
     doc_md=__doc__,

@@ -392,6 +392,23 @@ class Prepared:
                 p.imp_req = np.repeat(np.arange(len(req_e), dtype=np.int64), self.rni[req_e])
         return p
 
+    def _layout_buffer(self, counts, alloc):
+        """One buffer for the batch: every array in its own ALIGN-aligned slot, padding zeroed
+        (equal batches are equal bytes). Returns (buffer, its uint8 view, slot offsets, slot sizes)."""
+        numel = counts[self.slot]
+        nbytes = numel * self.itemsize
+        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        pos = np.cumsum(aligned) - aligned
+        total = int(aligned.sum())
+        buf = alloc(max(total, ALIGN))
+        out = buf.numpy()
+        pad = _np_ranges(pos + nbytes, aligned - nbytes)
+        if len(pad):
+            out[pad] = 0
+        if len(out) > total:
+            out[total:] = 0
+        return buf, out, pos.tolist(), aligned.tolist()
+
     def assemble_range(self, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
         """Samples ``a:b`` of a :meth:`permuted` buffer as one batch (same bytes as
         ``assemble(perm[a:b])`` on the unpermuted buffer)."""
@@ -414,20 +431,8 @@ class Prepared:
                 snew = soff[:, ea: eb + 1] - soff[:, ea: ea + 1]
                 counts[first: first + len(soff)] = snew[:, -1]
             work.append((g, sub, ea, eb, new, blocks, strings, valid, snew))
+        buf, out, P, A = self._layout_buffer(counts, alloc)
         numel = counts[self.slot]
-        nbytes = numel * self.itemsize
-        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
-        pos = np.cumsum(aligned) - aligned
-        total = int(aligned.sum())
-        buf = alloc(max(total, ALIGN))
-        out = buf.numpy()
-        pad = _np_ranges(pos + nbytes, aligned - nbytes)
-        if len(pad):
-            out[pad] = 0  # zeroed padding: equal batches are equal bytes
-        if len(out) > total:
-            out[total:] = 0
-        P = pos.tolist()
-        A = aligned.tolist()
         where = self.where
 
         def block(key, dt, rows, n):
@@ -498,20 +503,8 @@ class Prepared:
                 counts[first: first + len(soff)] = snew[:, -1]
                 sl = (s0, sl)
             work.append((g, sub, e, new, blocks, strings, valid, snew, sl))
+        buf, out, P, A = self._layout_buffer(counts, alloc)
         numel = counts[self.slot]
-        nbytes = numel * self.itemsize
-        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
-        pos = np.cumsum(aligned) - aligned
-        total = int(aligned.sum())
-        buf = alloc(max(total, ALIGN))
-        out = buf.numpy()
-        pad = _np_ranges(pos + nbytes, aligned - nbytes)
-        if len(pad):
-            out[pad] = 0  # zeroed padding: equal batches are equal bytes
-        if len(out) > total:
-            out[total:] = 0
-        P = pos.tolist()
-        A = aligned.tolist()
         where = self.where
 
         def block(key, dt, rows, n):
