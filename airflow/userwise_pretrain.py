@@ -12,7 +12,6 @@ requests table. Pretrain takes requests before as-of minus M days.
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 from pathlib import Path
 
