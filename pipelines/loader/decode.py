@@ -260,6 +260,15 @@ def _take_rows(arrays: list[np.ndarray], e: np.ndarray) -> np.ndarray:
     return out
 
 
+def _select_lists(off: np.ndarray, rows: np.ndarray):
+    """Rows ``rows`` of a list column with offsets ``off``: (element indexes, new offsets, lengths)."""
+    start = off[rows]
+    ln = off[rows + 1] - start
+    new = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(ln, out=new[1:])
+    return _np_ranges(start, ln), new, ln
+
+
 class Prepared:
     """One decoded buffer (host columns) laid out for fast batch gathers.
 
@@ -362,11 +371,7 @@ class Prepared:
             if off is None:
                 e, new = perm, None
             else:
-                start = off[perm]
-                ln = off[perm + 1] - start
-                new = np.zeros(B + 1, np.int64)
-                np.cumsum(ln, out=new[1:])
-                e = _np_ranges(start, ln)
+                e, new, ln = _select_lists(off, perm)
                 if g == "req":
                     req_e = e
             blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
@@ -485,11 +490,7 @@ class Prepared:
             if off is None:
                 e, new = idx, None
             else:
-                start = off[idx]
-                ln = off[idx + 1] - start
-                new = np.zeros(B + 1, np.int64)
-                np.cumsum(ln, out=new[1:])
-                e = _np_ranges(start, ln)
+                e, new, ln = _select_lists(off, idx)
                 counts[n_slot], counts[n_slot + 1] = len(e), len(e) + 1
                 if g == "req":
                     req_len, req_e = ln, e
