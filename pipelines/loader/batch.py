@@ -195,6 +195,7 @@ class JaggedBatch:
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lens).int())
 
 
+OVR_PREFIX = "ovr_"
 _STRINGY = ("string", "large_string", "binary", "large_binary")
 
 
@@ -277,7 +278,10 @@ def expand_batch(batch: JaggedBatch):
     Columns: the user column (its input name), every ``req__`` column
     repeated per impression and every ``imp__`` column, both under their
     original names, then per impression its visible history
-    ``seq_<field>`` = the stored seq[begin:end] of its request.
+    ``seq_<field>`` = the stored seq[begin:end] of its request. For fat-row
+    builds the history columns take the snapshot columns' input names, and a
+    request's override (``req_snapshot`` 1) or null snapshot (2) comes back
+    as given, exactly as ``userwise expand`` writes it.
     Rows come in batch order (samples, requests, impressions in stored order).
     """
     import pyarrow as pa
@@ -303,10 +307,41 @@ def expand_batch(batch: JaggedBatch):
     so = b.numpy("seq.offsets").astype(np.int64)
     begin = so[imp_sample] + b.numpy("req_seq_begin").astype(np.int64)[imp_req]
     end = so[imp_sample] + b.numpy("req_seq_end").astype(np.int64)[imp_req]
+    fat = bool(roles.get("fat")) and "req_snapshot" in b
+    null = None
+    if fat:
+        # Fat rows: a request's snapshot is a slice of the stored stream (0), an override
+        # kept whole (1, in ovr_<field>) or null (2); see schemas.tables.samples_schema.
+        kind = b.numpy("req_snapshot").astype(np.int64)[imp_req]
+        ro = b.numpy("req.offsets").astype(np.int64)
+        oro = b.numpy("ovr_req.offsets").astype(np.int64)
+        ovr_sample = np.repeat(np.arange(len(oro) - 1), np.diff(oro))
+        req_ovr = np.full(len(req_sample), -1, np.int64)  # batch request -> batch override index
+        req_ovr[ro[ovr_sample] + b.numpy("ovr_req").astype(np.int64)] = np.arange(len(ovr_sample))
+        o = req_ovr[imp_req]
+        is_ovr = kind == 1
+        if (o[is_ovr] < 0).any():
+            raise ValueError("batch holds an override request without an ovr_req entry")
+        oo = b.numpy("ovr_offsets").astype(np.int64)  # per sample: len(overrides) + 1 offsets
+        ooo = b.numpy("ovr_offsets.offsets").astype(np.int64)
+        vbase = b.numpy(f"{OVR_PREFIX}{roles['seq_fields'][0]}.offsets").astype(np.int64)
+        oi = np.where(is_ovr, ooo[imp_sample] + o - oro[imp_sample], 0)  # this override's entry in ovr_offsets
+        base = int(so[-1]) + vbase[imp_sample]  # override values follow the stored values (see below)
+        begin = np.where(is_ovr, base + oo[oi], np.where(kind == 2, 0, begin))
+        end = np.where(is_ovr, base + oo[np.where(is_ovr, oi + 1, 0)], np.where(kind == 2, 0, end))
+        null = kind == 2
     ln = end - begin
     gidx = _np_ranges(begin, ln)
-    hoff = np.concatenate([[0], np.cumsum(ln)])
+    hoff = np.concatenate([[0], np.cumsum(ln)]).astype(np.int32)
+    names = (roles.get("sequence") or {}) if fat else {}
     for name, (group, typ) in cols.items():
-        if group == "seq":
-            table[name] = _arrow_col(b, name, typ, gidx, hoff)
-    return pa.table(table)
+        if group != "seq":
+            continue
+        vals = _arrow_col(b, name, typ, None)
+        if fat:
+            vals = pa.concat_arrays([vals, _arrow_col(b, OVR_PREFIX + name[len("seq_"):], typ, None)])
+        arr = pa.ListArray.from_arrays(pa.array(hoff), vals.take(pa.array(gidx)),
+                                       mask=None if null is None else pa.array(null))
+        table[names.get(name[len("seq_"):], name)] = arr
+    order = [c for c in roles.get("input_columns", []) if c in table]  # fat: snapshots sit among the inputs
+    return pa.table({c: table[c] for c in order + [c for c in table if c not in order]})
