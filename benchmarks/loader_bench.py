@@ -188,100 +188,131 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     }
 
 
-def plot(res: dict, path: str, before: dict | None = None) -> None:
-    """Bar chart per worker count: share of the ceiling and x point-wise (``before``: an
-    earlier run's JSON, e.g. of the previous loader, drawn as grey bars next to it)."""
+def plot(series: list[tuple[str, dict]], path: str) -> None:
+    """Bar chart per worker count: share of the ceiling and x point-wise, one bar per
+    series (a sample-size profile, or an earlier run's JSON given with ``--before``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = res["runs"]
-    old = {r["workers"]: r for r in (before or {}).get("runs", [])}
-    x = list(range(len(runs)))
-    wd = 0.38 if old else 0.6
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    workers = sorted({r["workers"] for _, res in series for r in res["runs"]})
+    x = list(range(len(workers)))
+    k = len(series)
+    wd = 0.8 / k
+    colors = ["#4878d0", "#ee854a", "#6acc64", "#bbbbbb"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     specs = ((axes[0], "share_of_ceiling", 0.8, "share of pyarrow ceiling\n(samples/s, events/s)", "{:.2f}"),
              (axes[1], "impressions_vs_pointwise", 20, "impressions/s vs point-wise\nDataset+DataLoader", "{:.0f}x"))
     for ax, key, target, title, fmt in specs:
-        if old:
-            ob = [old[r["workers"]][key] if r["workers"] in old else 0 for r in runs]
-            ax.bar([i - wd / 2 for i in x], ob, wd, color="#bbbbbb", label="before")
-            for i, v in zip(x, ob):
-                ax.text(i - wd / 2, v, fmt.format(v), ha="center", va="bottom", fontsize=8)
-        nb = [r[key] for r in runs]
-        ax.bar([i + (wd / 2 if old else 0) for i in x], nb, wd, color="#4878d0" if key == "share_of_ceiling" else "#ee854a",
-               label="now")
-        for i, v in zip(x, nb):
-            ax.text(i + (wd / 2 if old else 0), v, fmt.format(v), ha="center", va="bottom", fontsize=8)
+        top = target
+        for j, (label, res) in enumerate(series):
+            by = {r["workers"]: r[key] for r in res["runs"]}
+            vals = [by.get(w, 0) for w in workers]
+            pos = [i - 0.4 + wd * (j + 0.5) for i in x]
+            ax.bar(pos, vals, wd, color=colors[j % len(colors)], label=label)
+            for px, v in zip(pos, vals):
+                ax.text(px, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
+            top = max([top] + vals)
         ax.axhline(target, ls="--", c="k", lw=1)
-        ax.set_ylim(0, 1.2 * max(nb + [target] + [old[r["workers"]][key] for r in runs if r["workers"] in old]))
-        ax.set_xticks(x, [str(r["workers"]) for r in runs])
+        ax.set_ylim(0, 1.2 * top)
+        ax.set_xticks(x, [str(w) for w in workers])
         ax.set(title=title, xlabel="workers")
-        if old:
-            ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"{res['samples']} samples, {res['shard_mb']:.1f} MB of shards, batch {res['batch_size']}, "
-                 f"median of {res['repeats']} paired runs, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    res = series[0][1]
+    fig.suptitle(f"batch {res['batch_size']}, median of {res['repeats']} paired runs, {res['cpus']} shared cores "
+                 "(dashed: targets)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
+# Sample-size profiles (tests/shardgen.make_samples): events per sample follow a Pareto law
+# capped at max_events; a request sees at most max_seq_len of them.
+PROFILES = {
+    # user-wise samples of a long-sequence model (the product's purpose): ~10^2-10^3 events each
+    "long": dict(max_seq_len=512, max_events=2000, event_scale=150.0),
+    # the unit tests' tiny samples (~9 events each): a stress case for per-buffer overhead
+    "short": dict(max_seq_len=20, max_events=120, event_scale=8.0),
+}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="loader vs pyarrow ceiling vs point-wise DataLoader")
-    p.add_argument("--samples", type=int, default=40000)
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples per profile (default: 4000 long, 40000 short: about 13 MB of shards each)")
+    p.add_argument("--profiles", nargs="+", default=["long", "short"], choices=sorted(PROFILES))
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--row-group-rows", type=int, default=512)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--pointwise-samples", type=int, default=3000, help="samples expanded for the point-wise file")
+    p.add_argument("--pointwise-samples", type=int, default=None,
+                   help="samples expanded for the point-wise file (default: 300 long, 3000 short)")
     p.add_argument("--pointwise-cap-s", type=float, default=5.0)
-    p.add_argument("--shards", help="reuse (or create) the shard set in this folder")
+    p.add_argument("--shards", help="reuse (or create) the shard sets under this folder (one per profile)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
     p.add_argument("--before", help="an earlier run's --json, drawn next to this one in the plot")
     a = p.parse_args(argv)
+    out = {"profiles": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for prof in a.profiles:
+            root = os.path.join(a.shards or tmp, prof)
+            n = a.samples or (4000 if prof == "long" else 40000)
+            npw = a.pointwise_samples or (300 if prof == "long" else 3000)
+            res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
+            out["profiles"][prof] = res
+    out["loadavg_end"] = os.getloadavg()
+    print(json.dumps(out, indent=1, default=float))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=float)
+    if a.plot:
+        series = [(f"{p}: {r['events_per_sample']:.0f} events/sample", r) for p, r in out["profiles"].items()]
+        if a.before:
+            old = json.load(open(a.before))
+            series += [(f"before, {p}", r) for p, r in old.get("profiles", {"": old}).items()]
+        plot(series, a.plot)
+    return 0
+
+
+def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     from tests.shardgen import write_shard_set
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
 
-    with tempfile.TemporaryDirectory() as tmp:
-        root = a.shards or tmp
-        if not os.path.exists(os.path.join(root, "manifest.json")):
-            write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=a.row_group_rows,
-                            sets=(("incremental", "2026-01-04", "2026-01-05", a.samples),))
-        pw = os.path.join(tmp, "pointwise.parquet")
-        ds = UserwiseDataset(root, batch_size=256, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
-        parts, n = [], 0
-        for b in UserwiseLoader(ds):  # the point-wise file: the same data, as many rows as --pointwise-samples give
-            parts.append(expand_batch(b))
-            n += b.num_samples
-            if n >= a.pointwise_samples:
-                break
-        pq.write_table(pa.concat_tables(parts), pw)
-        man = json.load(open(os.path.join(root, "manifest.json")))
-        for _ in range(2):  # warm the page cache for everyone
-            ceiling(root)
-        res = {"samples": sum(s["rows"] for s in man["shards"]), "batch_size": a.batch_size, "repeats": a.repeats,
-               "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(),
-               "loadavg_start": os.getloadavg(), "runs": []}
-        for w in a.workers:
-            r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s)
-            res["runs"].append(r)
-            print(f"workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
-                  f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
-                  f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
-                  f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
-                  f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
-                  f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}",
-                  flush=True)
-        res["loadavg_end"] = os.getloadavg()
-        print(json.dumps(res, indent=1, default=float))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1, default=float)
-        if a.plot:
-            plot(res, a.plot, json.load(open(a.before)) if a.before else None)
-    return 0
+    if not os.path.exists(os.path.join(root, "manifest.json")):
+        write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=a.row_group_rows,
+                        sets=(("incremental", "2026-01-04", "2026-01-05", n),), **PROFILES[prof])
+    ds = UserwiseDataset(root, batch_size=256, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
+    parts, k = [], 0
+    for b in UserwiseLoader(ds):  # the point-wise file: the same data, as many rows as npw samples give
+        parts.append(expand_batch(b))
+        k += b.num_samples
+        if k >= npw:
+            break
+    pq.write_table(pa.concat_tables(parts), pw)
+    man = json.load(open(os.path.join(root, "manifest.json")))
+    for _ in range(2):  # warm the page cache for everyone
+        ceiling(root)
+    samples = sum(s["rows"] for s in man["shards"])
+    res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "repeats": a.repeats,
+           "events_per_sample": sum(s["events"] for s in man["shards"]) / samples,
+           "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(),
+           "loadavg_start": os.getloadavg(), "runs": []}
+    print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
+          f"{res['shard_mb']:.1f} MB of shards", flush=True)
+    for w in a.workers:
+        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s)
+        res["runs"].append(r)
+        print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
+              f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
+              f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
+              f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
+              f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
+              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}",
+              flush=True)
+    res["loadavg_end"] = os.getloadavg()
+    return res
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def layout():
 
 
 def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed: int, max_seq_len: int = 20,
-                 max_events: int = 120, first_user: int = 0, null_share: float = 0.1) -> pa.Table:
+                 max_events: int = 120, first_user: int = 0, null_share: float = 0.1,
+                 event_scale: float = 8.0) -> pa.Table:
     """``n`` user-wise sample rows (shard schema) of one window."""
     lay = layout()
     schema = schemas.shard_schema(lay).to_arrow()
@@ -40,7 +41,7 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
     t1 = (we - dt.date(1970, 1, 1)).days * MS_DAY
     cols = {name: [] for name in schema.names}
     # wide spread of sizes: most small, a few heavy
-    n_events = np.minimum(rng.pareto(1.2, n) * 8, max_events).astype(int)
+    n_events = np.minimum(rng.pareto(1.2, n) * event_scale, max_events).astype(int)
     for i in range(n):
         user = first_user + i
         R = int(rng.integers(1, 6))
@@ -96,7 +97,8 @@ DEFAULT_SETS = (
 
 
 def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=DEFAULT_SETS, seed: int = 0,
-                    row_group_rows: int = 8, gds: bool = False, uneven: bool = True, compression: str = "zstd") -> dict:
+                    row_group_rows: int = 8, gds: bool = False, uneven: bool = True, compression: str = "zstd",
+                    **sample_kw) -> dict:
     """Write a shard set under ``root`` (node=k/shard-NNNNN.parquet + manifest.json, last)."""
     from userwise.pipelines import gds as gdsmod
 
@@ -108,7 +110,8 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
     first_user = 0
     for si, (kind, ws, we, n) in enumerate(sets):
         set_id = "pretrain" if kind == "pretrain" else f"incremental/{we}"
-        t = make_samples(n, kind=kind, window_start=ws, window_end=we, seed=seed * 100 + si, first_user=first_user)
+        t = make_samples(n, kind=kind, window_start=ws, window_end=we, seed=seed * 100 + si, first_user=first_user,
+                         **sample_kw)
         first_user += n
         slots = nodes * ranks_per_node
         # uneven: slot j gets a weight 1 + j (mod 3), so shard sizes differ

@@ -100,3 +100,14 @@ def test_side_file_path_gives_the_same_batches_as_parquet(gdsset):
     for x, y in zip(a, b):
         assert x.spec == y.spec
         assert bytes(x.buffer.numpy()) == bytes(y.buffer.numpy())
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100])
+def test_validity_reads_the_bitmap_of_sliced_arrays(n):
+    from userwise.pipelines.gds import validity
+
+    vals = [None if i % 3 == 0 else float(i) for i in range(n)]
+    a = pa.array(vals, pa.float32())
+    for off in range(min(n, 10)):
+        assert validity(a.slice(off)).tolist() == [int(v is not None) for v in vals[off:]], off
+    assert validity(pa.array([1.0] * n)).tolist() == [1] * n

@@ -99,8 +99,8 @@ def _fast(col) -> dict | None:
     v = np.frombuffer(bufs[1], dt)[arr.offset: arr.offset + len(arr)] if bufs[1] is not None else np.zeros(0, dt)
     valid = None
     if arr.null_count:  # nulls read as 0, with a validity mask
-        valid = np.asarray(arr.is_valid()).astype(np.uint8)
-        v = np.where(valid.astype(bool), v, np.zeros((), dt))
+        valid = gdsmod.validity(arr)
+        v = np.where(valid.view(bool), v, np.zeros((), dt))
     return {"values": v, "offsets": offsets, "str_offsets": None, "validity": valid, "arrow": str(t)}
 
 
