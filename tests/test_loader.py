@@ -327,3 +327,19 @@ def test_two_node_set_reads_only_its_node(tmp_path):
         got = run(root, 2, node=node, batch_size=8)
         ids = sorted(i for v in got.values() for b in v for i in b)
         assert ids == sorted(all_rows(root, node).column("sample_id").to_pylist())
+
+
+def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monkeypatch):
+    """Long sequences are copied run by run (decode._Runs), short ones gathered element-wise:
+    both paths must produce byte-identical batches."""
+    from userwise.pipelines.loader import decode
+
+    def batches(threshold):
+        monkeypatch.setattr(decode, "RUN_COPY_MIN", threshold)
+        ds = UserwiseDataset(shardset, batch_size=7, verify="none", world_size=1, rank=0, seed=3)
+        return [(b.spec, b.buffer.clone()) for b in UserwiseLoader(ds)]
+
+    gathered, runs = batches(10**9), batches(0)
+    assert len(gathered) == len(runs) > 3
+    for (s1, b1), (s2, b2) in zip(gathered, runs):
+        assert s1 == s2 and torch.equal(b1, b2)

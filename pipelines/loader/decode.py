@@ -260,6 +260,29 @@ def _take_rows(arrays: list[np.ndarray], e: np.ndarray) -> np.ndarray:
     return out
 
 
+class _Runs:
+    """A block of long list columns left in place by :meth:`Prepared.permuted`: sample i of the
+    permuted buffer is the run ``bounds[i]`` of every array. A batch copies its samples' runs
+    straight into its buffer (memcpy per run: one copy, where gather-then-slice made two and an
+    element-wise gather costs more than a copy once lists hold a few dozen elements)."""
+
+    def __init__(self, arrays: list[np.ndarray], bounds: list[tuple[int, int]]):
+        self.arrays, self.bounds = arrays, bounds
+        self.dtype = arrays[0].dtype
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def copy_into(self, out: np.ndarray, a: int, b: int) -> None:
+        runs = self.bounds[a:b]
+        for r, v in enumerate(self.arrays):
+            np.concatenate([v[x:y] for x, y in runs] or [v[:0]], out=out[r])
+
+
+# mean list length from which whole runs are copied instead of gathering elements
+RUN_COPY_MIN = 32
+
+
 def _select_lists(off: np.ndarray, rows: np.ndarray):
     """Rows ``rows`` of a list column with offsets ``off``: (element indexes, new offsets, lengths)."""
     start = off[rows]
@@ -368,13 +391,25 @@ class Prepared:
         groups = []
         req_e = None
         for g, sub, off, n_slot, blocks, strings, valid in self.groups:
+            runs = None
             if off is None:
                 e, new = perm, None
             else:
-                e, new, ln = _select_lists(off, perm)
+                st, en = off[perm], off[perm + 1]
+                total = int((en - st).sum())
+                if g != "req" and B and total >= RUN_COPY_MIN * B and not strings and not valid:
+                    runs = (st, en, total)
+                    new = np.zeros(B + 1, np.int64)
+                    np.cumsum(en - st, out=new[1:])
+                else:
+                    e, new, ln = _select_lists(off, perm)
                 if g == "req":
                     req_e = e
-            blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
+            if runs is None:
+                blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
+            else:  # long lists stay where they are: each batch copies its samples' runs (one copy, not two)
+                bounds = list(zip(runs[0].tolist(), runs[1].tolist()))
+                blocks2 = [(key, _Runs(V, bounds)) for key, V in blocks]
             strings2 = None
             if strings is not None:
                 bkey, skey, data, soff, first = strings
@@ -451,7 +486,10 @@ class Prepared:
                 i = where[layout_key(g, sub, 0, "", 0)]
                 out[P[i]: P[i] + 8 * (B + 1)].view(np.int64)[:] = new
             for key, V in blocks:
-                block(key, V.dtype, len(V), n)[:] = V[:, ea:eb]
+                if isinstance(V, _Runs):
+                    V.copy_into(block(key, V.dtype, len(V), n), a, b)
+                else:
+                    block(key, V.dtype, len(V), n)[:] = V[:, ea:eb]
             if strings is not None:
                 bkey, skey, data, soff, _ = strings
                 i0 = where[bkey]
