@@ -105,6 +105,10 @@ def group_metrics(spark, group: str) -> dict:
                             for n in sorted({s["tasks"] for s in ran})},
         "slowest": [{k: s[k] for k in ("stage", "tasks", "wall_s", "run_s", "name")}
                     for s in sorted(ran, key=lambda s: -s["wall_s"])[:5]],
+        # every job: where it was called from and how long it took (what the fixed cost is made of)
+        "job_list": [{"name": (j.get("name") or "")[:120], "stages": len(j["stageIds"]),
+                      "s": round(((_ms(j.get("completionTime")) or 0) - (_ms(j.get("submissionTime")) or 0)) / 1000, 2)}
+                     for j in sorted(jobs, key=lambda j: j["jobId"])],
     }
 
 

@@ -153,10 +153,13 @@ def first_reason(df: DataFrame, checks: list[tuple[Column, str, str | None, str]
 
 
 def _mark(df: DataFrame, cond: Column, reason: str, column: str | None, detail: str) -> DataFrame:
-    hit = F.col("_reason").isNull() & F.coalesce(cond, F.lit(False))
-    return (df.withColumn("_column", F.when(hit, F.lit(column)).otherwise(F.col("_column")))
+    # the condition is evaluated once (a window condition used three times is three windows)
+    hit = F.col("_hit")
+    return (df.withColumn("_hit", F.col("_reason").isNull() & F.coalesce(cond, F.lit(False)))
+              .withColumn("_column", F.when(hit, F.lit(column)).otherwise(F.col("_column")))
               .withColumn("_detail", F.when(hit, F.lit(detail)).otherwise(F.col("_detail")))
-              .withColumn("_reason", F.when(hit, F.lit(reason)).otherwise(F.col("_reason"))))
+              .withColumn("_reason", F.when(hit, F.lit(reason)).otherwise(F.col("_reason")))
+              .drop("_hit"))
 
 
 def request_keys(cfg: Config) -> list[str]:
@@ -168,17 +171,28 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     """Checks across rows, on rows that passed the per-row checks."""
     layout = canon.layout
     rk = request_keys(cfg)
-    ok = F.col("_reason").isNull()
-    # Exact duplicates: the first copy (file order) is kept.
-    cols = list(canon.input_cols)
-    wdup = Window.partitionBy(ok, *[F.col(c) for c in cols]).orderBy("_file", "_row")
+    # Every check below looks within one request (exact copies share their request key, and
+    # so do two rows at one position): one shuffle by the request key serves them all, and the
+    # windows (partitioned by supersets of it) and the requests' aggregation reuse it. Fat rows
+    # are heavy: each extra shuffle of them costs about a Parquet write and read.
+    # The windows share one sort as well: each one's key is a prefix of the first one's,
+    # ``_ok`` (passed the per-row checks) is fixed once, and later marks are read through
+    # conditional aggregates instead of re-partitioning by the changed reason.
+    df = df.repartition(*[F.col(c) for c in rk]).withColumn("_ok", F.col("_reason").isNull())
+    ok = F.col("_ok")
+    has_pos = bool(cfg.col("position"))
+    pos = [F.col("_pos")] if has_pos else []
+    # Exact duplicates: the first copy (file order) is kept. Copies share the position too
+    # (when it is a column); the row hash leads the rest of the key so that sorting compares
+    # whole rows (snapshots included) only where the hashes tie.
+    cols = [F.col(c) for c in canon.input_cols]
+    wdup = Window.partitionBy(ok, *rk, *pos, F.xxhash64(*cols), *cols).orderBy("_file", "_row")
     df = df.withColumn("_dup", F.row_number().over(wdup))
     df = _mark(df, F.col("_dup") > 1, "duplicate_row", None, "an exact copy of an earlier row")
-    ok = F.col("_reason").isNull()
-    # Request-level checks share one window over the request's rows (one shuffle):
-    # a request claimed by two users, request-level columns that disagree, and
-    # (fat rows) impressions that carry different snapshots. Each rejects the
-    # whole request; the first that applies names the reason.
+    # Request-level checks share one window over the request's rows: a request claimed by
+    # two users, request-level columns that disagree, and (fat rows) impressions that carry
+    # different snapshots. Each rejects the whole request; the first that applies names the
+    # reason. (The copies just marked are equal to a kept row: they change no min or max.)
     wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     differs = lambda key: ~F.min(key).over(wreq).eqNullSafe(F.max(key).over(wreq))  # noqa: E731
     checks = []
@@ -199,12 +213,14 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
         for n, _, reason, column, detail in checks:
             df = _mark(df, F.col(n), reason, column, detail)
         df = df.drop(*[n for n, *_ in checks])
-    ok = F.col("_reason").isNull()
-    # Two different rows at one (request, position).
-    wpos = Window.partitionBy(ok, *rk, "_pos").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
-    df = _mark(df, F.count(F.lit(1)).over(wpos) > 1, "position_conflict", cfg.col("position") or None,
-               "rows of one request share a position with different content")
-    return df.drop("_dup")
+    if has_pos:
+        # Two different rows at one (request, position), among the rows still accepted.
+        # (Without a position column the position is the row's place in its request: unique.)
+        wpos = Window.partitionBy(ok, *rk, "_pos").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        live = F.count(F.when(F.col("_reason").isNull(), F.lit(1))).over(wpos)
+        df = _mark(df, live > 1, "position_conflict", cfg.col("position"),
+                   "rows of one request share a position with different content")
+    return df.drop("_dup", "_ok")
 
 
 def quarantine_rows(df: DataFrame, input_cols: tuple[str, ...], source: str) -> DataFrame:
@@ -244,8 +260,10 @@ def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
     aggs += [F.first(c, ignorenulls=False).alias(REQ + c) for c in req_cols]
     if layout.fat:
         aggs += [F.first(s.source, ignorenulls=False).alias(SNAP + s.name) for s in layout.snapshot]
-    g = accepted.groupBy(F.col("_date").alias("date"), F.col("_user").alias("user"), F.col("_req").alias("req_id"),
-                         F.col("_rt").alias("req_time")).agg(*aggs)
+    # grouped by the canonical columns themselves (renamed after): the shuffle by request key
+    # of the cross-row checks already clusters them, so this aggregation needs no shuffle.
+    g = accepted.groupBy("_date", "_user", "_req", "_rt").agg(*aggs).withColumnsRenamed(
+        {"_date": "date", "_user": "user", "_req": "req_id", "_rt": "req_time"})
     sel = [F.col("date"), F.col("user"), F.col("req_id"), F.col("req_time"), F.col("num_imps")]
     sel += [F.col(REQ + c) for c in req_cols]
     sel += [F.col(f"_imps.c{i}").alias(IMP + c) for i, c in enumerate(imp_cols)]
