@@ -60,7 +60,8 @@ def userwise_daily():
     window = common.spark_task("window", "window", [*day, "--window-days", s("window_days")], CFG)
     preshard = common.spark_task("preshard", "preshard", [
         "--samples", s("output"), "--output", s("incremental_staging"), "--nodes", s("nodes"),
-        "--ranks-per-node", s("ranks_per_node"), "--kind", "incremental", "--window", s("window_end")], CFG)
+        "--ranks-per-node", s("ranks_per_node"), "--kind", "incremental", "--window", s("window_end"),
+        "--window-days", s("window_days")], CFG)
     publish = common.spark_task("publish", "publish", [
         "--output", s("output"), "--shards", s("shards"), "--date", s("date"),
         "--window-days", s("window_days")], CFG)

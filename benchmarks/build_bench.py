@@ -195,6 +195,7 @@ class Steps:
                 t["stages"] += v["stages"]
                 t["wall_s"] = round(t["wall_s"] + v["wall_s"], 2)
             a["slowest"] = sorted(a["slowest"] + r.get("slowest", []), key=lambda s: -s["wall_s"])[:5]
+            a["job_list"] = a.get("job_list", []) + r.get("job_list", [])
         return list(by.values())
 
 

@@ -36,9 +36,11 @@ def days(date_from, date_to) -> list[dt.date]:
     return [a + dt.timedelta(days=i) for i in range((b - a).days + 1)]
 
 
-def preshard_argv(output: str, staging: str, window_end: dt.date, nodes: int, ranks: int) -> list[str]:
+def preshard_argv(output: str, staging: str, window_end: dt.date, nodes: int, ranks: int,
+                  window_days: int = 1) -> list[str]:
     return ["preshard", "--samples", output, "--output", staging, "--nodes", str(nodes),
-            "--ranks-per-node", str(ranks), "--kind", "incremental", "--window", window_end.isoformat()]
+            "--ranks-per-node", str(ranks), "--kind", "incremental", "--window", window_end.isoformat(),
+            "--window-days", str(window_days)]
 
 
 def run_day(spark, cfg, *, input_path: str, output: str, date: dt.date, actions_path: str | None = None,
@@ -56,7 +58,8 @@ def run_day(spark, cfg, *, input_path: str, output: str, date: dt.date, actions_
     if shards and built:
         key = publish.set_key("incremental", date=date)
         staging = publish.staging_root(shards, key)
-        rc = cli.main(preshard_argv(output, staging, publish.window_of(date)[1], nodes, ranks_per_node))
+        rc = cli.main(preshard_argv(output, staging, publish.window_of(date)[1], nodes, ranks_per_node,
+                                       window_days))
         if rc:
             raise UserwiseError(f"preshard of {key} into {staging} failed (exit {rc}); fix it and rerun the "
                                 "backfill: it resumes from this day")

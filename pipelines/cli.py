@@ -89,6 +89,9 @@ def _preshard_args(p):
     p.add_argument("--ranks-per-node", required=True, type=_pos_int)
     p.add_argument("--kind", choices=["incremental", "pretrain"], help="default: every kind")
     p.add_argument("--window", help="incremental window end date (YYYY-MM-DD); default: every window")
+    p.add_argument("--window-days", type=_pos_int, default=None,
+                   help="N, for a --window that holds no samples (an empty set is published); "
+                        "default: the build's, else 1")
     p.add_argument("--target-shard-mb", type=float, default=256.0)
     p.add_argument("--row-group-rows", type=_pos_int, default=2048)
     p.add_argument("--row-group-mb", type=float, default=128.0,

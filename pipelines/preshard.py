@@ -536,8 +536,14 @@ def samples_table(samples: str) -> tuple[str, str]:
 
 def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: int, kind: str | None = None,
              window: str | None = None, target_shard_mb: float = 256.0, row_group_rows: int = 2048,
-             row_group_mb: float = 128.0, compression="zstd", layout: str = "parquet", seed: int = 0) -> dict:
-    """Write the shard set; return the manifest (its ``_report`` key: the job report)."""
+             row_group_mb: float = 128.0, compression="zstd", layout: str = "parquet", seed: int = 0,
+             window_days: int | None = None) -> dict:
+    """Write the shard set; return the manifest (its ``_report`` key: the job report).
+
+    A ``window`` without samples (a day without traffic) gives an empty set: every rank
+    an empty shard, so the daily chain publishes it and trainers read zero batches,
+    instead of failing the day. Its start is ``window`` minus ``window_days`` (default
+    the build's N, else 1)."""
     from pyspark.sql import functions as F
 
     from . import delta_io
@@ -566,6 +572,10 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     # sets: one row each (partition values only)
     keys = set_order([(r["kind"], str(r["window_start"]), str(r["window_end"]))
                       for r in df.select("kind", "window_start", "window_end").distinct().collect()])
+    if not keys and window:
+        n = window_days or int(info.get("window_days") or 1)
+        end = dt.date.fromisoformat(window)
+        keys = [("incremental", (end - dt.timedelta(days=n)).isoformat(), end.isoformat())]
     if not keys:
         raise InputError(f"{path} (version {version}): no samples"
                          + (f" of kind {kind}" if kind else "") + (f" for window {window}" if window else ""))
@@ -589,7 +599,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
                      "slot_rows": [int(got[j]["rows"]) if j in got else 0 for j in range(slots)],
                      "slot_cost": [int(got[j]["cost"]) if j in got else 0 for j in range(slots)],
                      "slot_est": [int(got[j]["est"]) if j in got else 0 for j in range(slots)],
-                     "max_cost": max(int(r["max_cost"]) for r in got.values())})
+                     "max_cost": max((int(r["max_cost"]) for r in got.values()), default=0)})
     plan_sets(sets, slots=slots, target_bytes=target_shard_mb * (1 << 20))
     n_sh = F.element_at(F.array(*[F.lit(s["shards_per_rank"]).cast("long") for s in sets]), F.col("_set") + 1)
     base = F.element_at(F.array(*[F.lit(s["shard_base"]).cast("long") for s in sets]), F.col("_set") + 1)
@@ -641,7 +651,7 @@ def cli(args) -> int:
                  ranks_per_node=args.ranks_per_node, kind=args.kind, window=args.window,
                  target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
                  row_group_mb=getattr(args, "row_group_mb", 128.0), compression=args.compression,
-                 layout=args.layout, seed=args.seed)
+                 layout=args.layout, seed=args.seed, window_days=getattr(args, "window_days", None))
     print(format_report(m["_report"]), file=sys.stderr)
     print(json.dumps(m["_report"]))
     return 0

@@ -185,6 +185,26 @@ def test_cli_one_window_several_shards_per_rank(built, spark, tmp_path, capsys):
     assert w["sets"][0]["balance"] == next(s for s in m["sets"] if s["id"] == w["sets"][0]["id"])["balance"]
 
 
+def test_window_without_samples_gives_an_empty_set_the_loader_reads_as_zero_batches(built, tmp_path, capsys):
+    """A day without traffic: the daily chain must publish an empty set, not fail."""
+    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+
+    d, *_ = built
+    rc = cli.main(["preshard", "--samples", d, "--output", str(tmp_path / "E"), "--nodes", str(NODES),
+                   "--ranks-per-node", str(RANKS), "--kind", "incremental", "--window", "2027-02-10",
+                   "--window-days", "2"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["sets"][0]["rows"] == 0
+    e = mf.load(str(tmp_path / "E"))
+    assert [(s["id"], s["window_start"], s["window_end"]) for s in e["sets"]] == [
+        ("incremental/2027-02-10", "2027-02-08", "2027-02-10")]
+    assert len(e["shards"]) == NODES * RANKS and all(s["rows"] == 0 for s in e["shards"])
+    for node in range(NODES):
+        for rank in range(RANKS):
+            ds = UserwiseDataset(str(tmp_path / "E"), node=node, rank=rank, world_size=RANKS)
+            assert list(UserwiseLoader(ds)) == []
+
+
 def test_parquet_properties(built):
     d, table, out, m = built
     s = m["shards"][0]
