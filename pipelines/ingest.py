@@ -167,6 +167,9 @@ def request_keys(cfg: Config) -> list[str]:
     return ["_date", "_req"] if cfg.col("request") else ["_date", "_user", "_req"]
 
 
+SNAP_KEEP = "_snap_keep"  # fat rows: the one accepted row per request that keeps the snapshot
+
+
 def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     """Checks across rows, on rows that passed the per-row checks."""
     layout = canon.layout
@@ -182,13 +185,16 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     ok = F.col("_ok")
     has_pos = bool(cfg.col("position"))
     pos = [F.col("_pos")] if has_pos else []
-    # Exact duplicates: the first copy (file order) is kept. Copies share the position too
-    # (when it is a column); the row hash leads the rest of the key so that sorting compares
-    # whole rows (snapshots included) only where the hashes tie.
+    # Exact duplicates: the first copy (file order) is kept. Copies share the request, the
+    # position (when it is a column) and the row hash; a row is a copy when it equals the row
+    # before it in that group, compared whole (snapshots included, so a hash collision cannot
+    # make two different rows copies: at worst the second one meets the position check).
     cols = [F.col(c) for c in canon.input_cols]
-    wdup = Window.partitionBy(ok, *rk, *pos, F.xxhash64(*cols), *cols).orderBy("_file", "_row")
-    df = df.withColumn("_dup", F.row_number().over(wdup))
-    df = _mark(df, F.col("_dup") > 1, "duplicate_row", None, "an exact copy of an earlier row")
+    df = df.withColumn("_h", F.xxhash64(*cols))
+    wdup = Window.partitionBy(ok, *rk, *pos, "_h").orderBy("_file", "_row")
+    row = F.struct(*cols)
+    df = df.withColumn("_dup", F.coalesce(F.lag(row).over(wdup).eqNullSafe(row), F.lit(False)))
+    df = _mark(df, F.col("_dup"), "duplicate_row", None, "an exact copy of an earlier row")
     # Request-level checks share one window over the request's rows: a request claimed by
     # two users, request-level columns that disagree, and (fat rows) impressions that carry
     # different snapshots. Each rejects the whole request; the first that applies names the
@@ -220,7 +226,19 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
         live = F.count(F.when(F.col("_reason").isNull(), F.lit(1))).over(wpos)
         df = _mark(df, live > 1, "position_conflict", cfg.col("position"),
                    "rows of one request share a position with different content")
-    return df.drop("_dup", "_ok")
+    if layout.fat:
+        # All accepted rows of a request carry one snapshot (proven above): only the first
+        # accepted row keeps it, so what is cached and aggregated downstream holds one snapshot
+        # per request, not one per impression. Rejected rows keep theirs (quarantine keeps the
+        # whole row). Same partition and order as the duplicate window: no extra sort.
+        wfirst = Window.partitionBy(ok, *rk).orderBy(*pos, "_h", "_file", "_row").rowsBetween(
+            Window.unboundedPreceding, Window.currentRow)
+        acc = F.col("_reason").isNull()
+        df = df.withColumn(SNAP_KEEP, acc & (F.sum(F.when(acc, F.lit(1)).otherwise(F.lit(0))).over(wfirst) == 1))
+        keep = F.col(SNAP_KEEP) | ~acc
+        for c in layout.snapshot_columns:
+            df = df.withColumn(c, F.when(keep, F.col(c)))
+    return df.drop("_dup", "_ok", "_h")
 
 
 def quarantine_rows(df: DataFrame, input_cols: tuple[str, ...], source: str) -> DataFrame:
@@ -259,7 +277,10 @@ def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
     aggs = [F.sort_array(F.collect_list(imp)).alias("_imps"), F.count(F.lit(1)).cast("int").alias("num_imps")]
     aggs += [F.first(c, ignorenulls=False).alias(REQ + c) for c in req_cols]
     if layout.fat:
-        aggs += [F.first(s.source, ignorenulls=False).alias(SNAP + s.name) for s in layout.snapshot]
+        # the snapshot of the request's one row that kept it (see cross_row_reasons); its
+        # fields may be null (a null snapshot), the struct is not
+        snap = F.struct(*[F.col(s.source).alias(s.name) for s in layout.snapshot])
+        aggs.append(F.first(F.when(F.col(SNAP_KEEP), snap), ignorenulls=True).alias("_snap"))
     # grouped by the canonical columns themselves (renamed after): the shuffle by request key
     # of the cross-row checks already clusters them, so this aggregation needs no shuffle.
     g = accepted.groupBy("_date", "_user", "_req", "_rt").agg(*aggs).withColumnsRenamed(
@@ -270,7 +291,7 @@ def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
     sel += [F.col("_imps.p").alias("imp_pos"), F.col("_imps.at").alias("imp_action_time"),
             F.col("_imps.bits").alias("imp_action")]
     if layout.fat:
-        sel += [F.col(SNAP + s.name) for s in layout.snapshot]
+        sel += [F.col(f"_snap.{s.name}").alias(SNAP + s.name) for s in layout.snapshot]
     return g.select(sel)
 
 
