@@ -1,8 +1,8 @@
 """`userwise build` on a synthetic fat-row log against the I/O floor, side by side.
 
-    .venv/bin/python benchmarks/build_bench.py                      # 50k, 100k, 200k impressions, L=50
+    .venv/bin/python benchmarks/build_bench.py                      # 200k, 400k, 800k impressions, L=50
     .venv/bin/python benchmarks/build_bench.py --sizes 50000 --reps 1 --no-plot   # a quick check
-    .venv/bin/python benchmarks/build_bench.py --scale 20          # 1M, 2M, 4M (a bigger machine)
+    .venv/bin/python benchmarks/build_bench.py --scale 5           # 1M, 2M, 4M (a bigger machine)
 
 Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
 ``--max-seq-len``), with one shared local SparkSession:
@@ -307,7 +307,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="50000,100000,200000", help="comma list of target impressions")
+    p.add_argument("--sizes", default="200000,400000,800000", help="comma list of target impressions")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every size (bigger machines)")
     p.add_argument("--days", type=int, default=2, help="UTC days of log: the last one is an incremental window")
     p.add_argument("--max-seq-len", type=int, default=50)

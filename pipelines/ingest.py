@@ -266,10 +266,11 @@ def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
     layout = canon.layout
     imp_cols = [f.name for f in layout.impression_columns]
     req_cols = [f.name for f in layout.request_columns]
+    # Display order is the position alone: positions are unique among a request's accepted
+    # rows (copies and conflicts are quarantined; without a position column it is the row's
+    # place in its file). No file name per impression in the sort.
     imp = F.struct(
         F.col("_pos").alias("p"),
-        F.col("_file").alias("f"),
-        F.col("_row").alias("r"),
         F.col("_at").alias("at"),
         F.col("_bits").alias("bits"),
         *[F.col(c).alias(f"c{i}") for i, c in enumerate(imp_cols)],
