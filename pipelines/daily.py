@@ -203,8 +203,10 @@ def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bounda
     events = delta_io.read(spark, delta_io.table_path(output, "events"))
     events = events_between(cfg, events, None, boundary)
     reqs = _requests(spark, output, None, boundary)
-    # The pretrain set spans from the first request day (one value per set: readers group by it).
-    first = reqs.agg(F.min("date")).first()[0] or boundary
+    # The pretrain set spans from the first request day (one value per set: readers group by it),
+    # read from the requests table's log rather than by a Spark job.
+    first = min((d for d in delta_io.partition_dates(delta_io.table_path(output, "requests")) if d < boundary),
+                default=boundary)
     df = _samples_for(cfg, layout, events, reqs, "pretrain", first, boundary)
     out = _write_samples(spark, output, layout, df, "pretrain", boundary)
     log(f"pretrain samples before {boundary}: {out['samples']} samples, {out['impressions']} impressions")

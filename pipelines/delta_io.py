@@ -59,6 +59,23 @@ def delete_small(path: str, predicate: str) -> None:
         RsTable(path).delete(predicate)
 
 
+def partition_dates(path: str, col: str = "date") -> list:
+    """The dates of a date-partitioned table's partitions that hold rows, from its log
+    (delta-rs, no Spark job). Files without row counts count as holding rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable as RsTable
+
+    acts = pa.table(RsTable(path).get_add_actions(flatten=True))
+    if not acts.num_rows:
+        return []
+    n = acts.column("num_records") if "num_records" in acts.column_names else None
+    dates = acts.column(f"partition.{col}")
+    if n is not None:
+        dates = dates.filter(pc.fill_null(pc.greater(n, 0), True))
+    return sorted({d for d in dates.to_pylist() if d is not None})
+
+
 def scan(path: str, columns: list[str], filter=None):
     """Read a few columns of a Delta table with Arrow (no Spark job)."""
     from deltalake import DeltaTable as RsTable
