@@ -391,24 +391,22 @@ class Prepared:
         groups = []
         req_e = None
         for g, sub, off, n_slot, blocks, strings, valid in self.groups:
-            runs = None
+            bounds = None
             if off is None:
                 e, new = perm, None
             else:
                 st, en = off[perm], off[perm + 1]
-                total = int((en - st).sum())
-                if g != "req" and B and total >= RUN_COPY_MIN * B and not strings and not valid:
-                    runs = (st, en, total)
-                    new = np.zeros(B + 1, np.int64)
-                    np.cumsum(en - st, out=new[1:])
+                new = np.zeros(B + 1, np.int64)
+                np.cumsum(en - st, out=new[1:])
+                if g != "req" and B and new[-1] >= RUN_COPY_MIN * B and not strings and not valid:
+                    bounds = list(zip(st.tolist(), en.tolist()))
                 else:
-                    e, new, ln = _select_lists(off, perm)
+                    e = _np_ranges(st, en - st)
                 if g == "req":
                     req_e = e
-            if runs is None:
+            if bounds is None:
                 blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
             else:  # long lists stay where they are: each batch copies its samples' runs (one copy, not two)
-                bounds = list(zip(runs[0].tolist(), runs[1].tolist()))
                 blocks2 = [(key, _Runs(V, bounds)) for key, V in blocks]
             strings2 = None
             if strings is not None:
