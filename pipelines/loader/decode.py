@@ -22,6 +22,7 @@ import torch
 
 from .. import gds as gdsmod
 from ..errors import ShardError
+from .segcopy import seg_copy
 from .batch import ALIGN, JaggedBatch, _ranges, dtype_name, repeat, take, torch_dtype
 
 
@@ -66,7 +67,10 @@ _NP = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(
 def _fast(col) -> dict | None:
     """Zero-copy flat arrays of a primitive or list-of-primitive column (the common case:
     no null lists, native little-endian); None where the general path is needed."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):  # one chunk: use it as it is (combine_chunks copies even then)
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     t = arr.type
     offsets = None
     if pa.types.is_list(t) or pa.types.is_large_list(t):
@@ -262,21 +266,22 @@ def _take_rows(arrays: list[np.ndarray], e: np.ndarray) -> np.ndarray:
 
 class _Runs:
     """A block of long list columns left in place by :meth:`Prepared.permuted`: sample i of the
-    permuted buffer is the run ``bounds[i]`` of every array. A batch copies its samples' runs
-    straight into its buffer (memcpy per run: one copy, where gather-then-slice made two and an
-    element-wise gather costs more than a copy once lists hold a few dozen elements)."""
+    permuted buffer is the run ``starts[i]: starts[i] + lengths[i]`` of every array. A batch
+    copies its samples' runs straight into its buffer (:func:`segcopy.seg_copy`: one memcpy per
+    run, where gather-then-slice made two copies and an element-wise gather costs more than a
+    copy once lists hold a few dozen elements)."""
 
-    def __init__(self, arrays: list[np.ndarray], bounds: list[tuple[int, int]]):
-        self.arrays, self.bounds = arrays, bounds
+    def __init__(self, arrays: list[np.ndarray], starts: np.ndarray, lengths: np.ndarray):
+        self.arrays, self.starts, self.lengths = arrays, starts, lengths
         self.dtype = arrays[0].dtype
 
     def __len__(self) -> int:
         return len(self.arrays)
 
     def copy_into(self, out: np.ndarray, a: int, b: int) -> None:
-        runs = self.bounds[a:b]
+        st, ln = self.starts[a:b], self.lengths[a:b]
         for r, v in enumerate(self.arrays):
-            np.concatenate([v[x:y] for x, y in runs] or [v[:0]], out=out[r])
+            seg_copy(v, st, ln, out[r])
 
 
 # mean list length from which whole runs are copied instead of gathering elements
@@ -391,23 +396,24 @@ class Prepared:
         groups = []
         req_e = None
         for g, sub, off, n_slot, blocks, strings, valid in self.groups:
-            bounds = None
+            runs = None
             if off is None:
                 e, new = perm, None
             else:
-                st, en = off[perm], off[perm + 1]
+                st = off[perm]
+                ln = off[perm + 1] - st
                 new = np.zeros(B + 1, np.int64)
-                np.cumsum(en - st, out=new[1:])
+                np.cumsum(ln, out=new[1:])
                 if g != "req" and B and new[-1] >= RUN_COPY_MIN * B and not strings and not valid:
-                    bounds = list(zip(st.tolist(), en.tolist()))
+                    runs = (st, ln)
                 else:
-                    e = _np_ranges(st, en - st)
+                    e = _np_ranges(st, ln)
                 if g == "req":
                     req_e = e
-            if bounds is None:
+            if runs is None:
                 blocks2 = [(key, _take_rows(V, e)) for key, V in blocks]
             else:  # long lists stay where they are: each batch copies its samples' runs (one copy, not two)
-                blocks2 = [(key, _Runs(V, bounds)) for key, V in blocks]
+                blocks2 = [(key, _Runs(V, *runs)) for key, V in blocks]
             strings2 = None
             if strings is not None:
                 bkey, skey, data, soff, first = strings
@@ -416,7 +422,8 @@ class Prepared:
                 snew = np.zeros((len(soff), len(e) + 1), np.int64)
                 np.cumsum(sl, axis=1, out=snew[:, 1:])
                 base = np.concatenate([[0], np.cumsum(snew[:, -1])[:-1]])
-                data2 = data[_np_ranges(s0.ravel(), sl.ravel())]
+                data2 = np.empty(int(snew[:, -1].sum()), np.uint8)
+                seg_copy(data, s0.ravel(), sl.ravel(), data2)  # one run per string
                 strings2 = (bkey, skey, data2, snew + base[:, None], first)
             valid2 = None if valid is None else (valid[0], _take_rows(valid[1], e))
             groups.append((g, sub, new, n_slot, blocks2, strings2, valid2))

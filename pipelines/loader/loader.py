@@ -13,6 +13,7 @@ accelerator the same code yields host batches.
 from __future__ import annotations
 
 import collections
+import os
 import queue as queue_mod
 import time
 import traceback
@@ -24,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import UserwiseError
+from . import segcopy
 from .batch import JaggedBatch
 from .dataset import UserwiseDataset, say_once
 
@@ -67,10 +69,12 @@ class _Ring:
         return k, fresh
 
 
-def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int) -> None:
+def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int, read_threads: bool = False) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next."""
     torch.set_num_threads(1)
-    ds.read_threads = False  # one core per worker: Arrow's thread pool would only compete with the others
+    # Arrow's decode threads only where cores are left over (fewer workers than cores):
+    # otherwise the workers' thread pools would just compete with each other
+    ds.read_threads = read_threads
     ring = _Ring(nslots, sem)
     while True:
         msg = cmd.get()
@@ -103,7 +107,8 @@ class _Pool:
         self.q = [ctx.Queue() for _ in range(k)]
         self.sem = [ctx.Semaphore(nslots) for _ in range(k)]
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
-        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.sem[w], nslots),
+        threads = k < _cores()
+        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.sem[w], nslots, threads),
                                   daemon=True) for w in range(k)]
         for p in self.procs:
             p.start()
@@ -309,6 +314,7 @@ class UserwiseLoader:
         k = self.num_workers
         owner = plan.batch_owner(k)
         if self._workers is None:  # started once, kept across epochs
+            segcopy.implementation()  # compiled here once; forked workers inherit it
             self._workers = _Pool(self.ctx, ds, k, self.worker_queue + 1)
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
@@ -410,6 +416,13 @@ class UserwiseLoader:
         cur.wait_event(ev)
         d.record_stream(cur)
         return d
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (not Linux)
+        return os.cpu_count() or 1
 
 
 def _host_alloc(n: int) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The segmented copy behind batch assembly: compiled (numba) and numpy agree with the definition."""
+
+import numpy as np
+import pytest
+import torch
+
+from userwise.pipelines.loader import segcopy
+from userwise.pipelines.loader.dataset import UserwiseDataset
+from userwise.pipelines.loader.loader import UserwiseLoader
+
+from .shardgen import write_shard_set
+
+
+@pytest.fixture(scope="module")
+def shardset(tmp_path_factory):
+    """Short and long sequences (up to a few hundred events), strings, a nullable column."""
+    root = str(tmp_path_factory.mktemp("segshards"))
+    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=16, event_scale=40.0, max_events=400,
+                    max_seq_len=128)
+    return root
+
+
+def reference(src, starts, lengths):
+    return np.concatenate([src[s: s + n] for s, n in zip(starts, lengths)] or [src[:0]])
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def impl(request, monkeypatch):
+    if request.param == "numba":
+        assert segcopy.implementation() == "numba", "numba is in the loader's extra: the compiled path must be used"
+    else:
+        monkeypatch.setattr(segcopy, "_IMPL", ("numpy", segcopy._numpy_copy, "test"))
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint16", "float16", "float32", "float64"])
+def test_seg_copy_matches_the_definition(impl, dtype):
+    rng = np.random.default_rng(7)
+    src = (rng.standard_normal(5000) * 1000).astype(dtype)
+    # runs of every size: empty, short (element loop), long (block copy), overlapping, out of order
+    lengths = rng.choice([0, 1, 3, 31, 32, 33, 200, 1500], size=60)
+    starts = rng.integers(0, len(src) - lengths)
+    want = reference(src, starts, lengths)
+    out = np.full(len(want) + 5, 99, dtype)  # longer than needed: the tail stays untouched
+    segcopy.seg_copy(src, starts.astype(np.int64), lengths.astype(np.int64), out)
+    assert out[: len(want)].tobytes() == want.tobytes()
+    assert (out[len(want):] == 99).all()
+    # into a row of a 2-D block (how batches are assembled)
+    block = np.zeros((3, len(want) + 8), dtype)
+    segcopy.seg_copy(src, starts.astype(np.int64), lengths.astype(np.int64), block[1, : len(want)])
+    assert block[1, : len(want)].tobytes() == want.tobytes() and not block[[0, 2]].any()
+
+
+def test_seg_copy_of_nothing(impl):
+    out = np.zeros(3, np.int64)
+    segcopy.seg_copy(np.arange(5), np.zeros(0, np.int64), np.zeros(0, np.int64), out)
+    assert (out == 0).all()
+
+
+def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatch):
+    """Whole epochs (strings, validity, long and short lists) assembled with the compiled copy
+    and with numpy's are byte-identical."""
+    from userwise.pipelines.loader import decode
+
+    def epoch(which):
+        if which == "numpy":
+            monkeypatch.setattr(segcopy, "_IMPL", ("numpy", segcopy._numpy_copy, "test"))
+        monkeypatch.setattr(decode, "RUN_COPY_MIN", 0)  # every list group that can copies by runs
+        ds = UserwiseDataset(shardset, batch_size=5, verify="none", world_size=1, rank=0, seed=11)
+        return [(b.spec, b.buffer.clone()) for b in UserwiseLoader(ds)]
+
+    compiled, plain = epoch("numba"), epoch("numpy")
+    assert len(compiled) == len(plain) > 3
+    for (s1, b1), (s2, b2) in zip(compiled, plain):
+        assert s1 == s2 and torch.equal(b1, b2)
