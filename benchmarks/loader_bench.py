@@ -1,7 +1,7 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
-                                      [--repeats 5] [--json out.json] [--plot docs/img/loader_throughput.png]
+                                      [--repeats 7] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
@@ -240,12 +240,12 @@ PROFILES = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="loader vs pyarrow ceiling vs point-wise DataLoader")
     p.add_argument("--samples", type=int, default=None,
-                   help="samples per profile (default: 16000 long, 40000 short: about 37 and 13 MB of shards)")
+                   help="samples per profile (default: 32000 long, 40000 short: about 74 and 13 MB of shards)")
     p.add_argument("--profiles", nargs="+", default=["long", "short"], choices=sorted(PROFILES))
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--row-group-rows", type=int, default=512)
+    p.add_argument("--row-group-rows", type=int, default=2048, help="rows per row group (default: preshard's)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--pointwise-samples", type=int, default=None,
                    help="samples expanded for the point-wise file (default: 300 long, 3000 short)")
     p.add_argument("--pointwise-cap-s", type=float, default=5.0)
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for prof in a.profiles:
             root = os.path.join(a.shards or tmp, prof)
-            n = a.samples or (16000 if prof == "long" else 40000)
+            n = a.samples or (32000 if prof == "long" else 40000)
             npw = a.pointwise_samples or (300 if prof == "long" else 3000)
             res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
             out["profiles"][prof] = res

@@ -343,3 +343,15 @@ def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monke
     assert len(gathered) == len(runs) > 3
     for (s1, b1), (s2, b2) in zip(gathered, runs):
         assert s1 == s2 and torch.equal(b1, b2)
+
+
+def test_shard_reads_allocate_from_the_system_pool_and_leave_the_default_alone(shardset):
+    """The loader's shard readers take the system allocator (see dataset.open_parquet);
+    the process-wide default pool is left as it was."""
+    default = pa.default_memory_pool().backend_name
+    ds = UserwiseDataset(shardset, verify="none", world_size=1, rank=0)
+    f = ds._file(0)
+    assert pa.default_memory_pool().backend_name == default
+    before = pa.system_memory_pool().bytes_allocated()
+    t = f.read_row_groups([0])
+    assert t.num_rows > 0 and pa.system_memory_pool().bytes_allocated() > before

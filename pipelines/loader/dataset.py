@@ -41,6 +41,21 @@ def dist_rank_world() -> tuple[int, int]:
 REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
 
 
+def open_parquet(path: str, memory_map: bool = True) -> pq.ParquetFile:
+    """A shard file whose reads allocate from the system allocator, not Arrow's default
+    (mimalloc). The loader keeps a decoded buffer alive while its batches are cut and the
+    next one is read; with mimalloc that pattern made the same read 10-70% slower from one
+    epoch to the next (freed segments given back to the OS and faulted in again), with
+    malloc it reads as fast as a plain pass. A reader takes its pool when it is opened, so
+    the default is swapped only for that moment."""
+    old = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        return pq.ParquetFile(path, memory_map=memory_map)
+    finally:
+        pa.set_memory_pool(old)
+
+
 class UserwiseDataset(IterableDataset):
     """Jagged batches of user-wise samples from one node's staged shards.
 
@@ -229,7 +244,7 @@ class UserwiseDataset(IterableDataset):
             self._files, self._files_pid = {}, pid
         f = self._files.get(shard)
         if f is None:
-            f = self._files[shard] = pq.ParquetFile(self.shards.path(shard), memory_map=self.memory_map)
+            f = self._files[shard] = open_parquet(self.shards.path(shard), self.memory_map)
         return f
 
     def __getstate__(self):
