@@ -22,8 +22,8 @@ both see the same machine load); the reported share is the median of the
 per-pair ratios. The point-wise DataLoader is timed from its first batch
 (start-up excluded, ``persistent_workers`` with workers) for ``--pointwise-cap-s``
 seconds per repeat. ``cpu_efficiency`` (ceiling CPU seconds / loader CPU
-seconds, workers included) is a load-independent companion figure. Keep sizes moderate on a shared machine (the default is
-about 13 MB of shards); the ratios are what matters.
+seconds, workers included) is a load-independent companion figure. Keep sizes moderate on a shared machine (the defaults are
+about 63 and 12 MB of shards); the ratios are what matters.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ PROFILES = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="loader vs pyarrow ceiling vs point-wise DataLoader")
     p.add_argument("--samples", type=int, default=None,
-                   help="samples per profile (default: 32000 long, 40000 short: about 74 and 13 MB of shards)")
+                   help="samples per profile (default: 32000 long, 40000 short: about 63 and 12 MB of shards)")
     p.add_argument("--profiles", nargs="+", default=["long", "short"], choices=sorted(PROFILES))
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--row-group-rows", type=int, default=2048, help="rows per row group (default: preshard's)")
