@@ -73,3 +73,17 @@ def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatc
     assert len(compiled) == len(plain) > 3
     for (s1, b1), (s2, b2) in zip(compiled, plain):
         assert s1 == s2 and torch.equal(b1, b2)
+
+
+def test_without_numba_the_numpy_copy_is_chosen():
+    """USERWISE_NO_NUMBA=1 (or numba missing) falls back to numpy, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from userwise.pipelines.loader import segcopy; import numpy as np; "
+            "o = np.zeros(4, np.int64); segcopy.seg_copy(np.arange(10), np.array([7, 1]), np.array([2, 2]), o); "
+            "print(segcopy.implementation(), o.tolist())")
+    env = dict(os.environ, USERWISE_NO_NUMBA="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["numpy", "[7,", "8,", "1,", "2]"]

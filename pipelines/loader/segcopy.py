@@ -9,7 +9,7 @@ element). Compiled with numba it is one memcpy per run, without the GIL.
 
 numba is part of the loader's extra; where it is missing (or
 ``USERWISE_NO_NUMBA=1``) the numpy version runs instead, with the same result,
-and the loader says once which one it uses. The kernel is compiled on first
+and the loader logs once (INFO, logger ``userwise.loader``) which one it uses. The kernel is compiled on first
 use (cached on disk), not at import: importing the loader stays light.
 """
 
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import numpy as np
 
 log = logging.getLogger("userwise.loader")
 
 _IMPL = None
+_LOCK = threading.Lock()  # the read-ahead thread and the main thread may both make the first call
 _NO_KERNEL: set = set()  # dtypes the compiled kernel does not take: copied as bytes instead
 
 
@@ -45,7 +47,7 @@ def _compile():
     for dt in WARM_DTYPES:
         try:
             kernel(np.zeros(2, dt), i, i + 1, np.zeros(2, dt))
-        except Exception:  # noqa: BLE001 (a dtype numba lacks, e.g. float16: see _dispatch)
+        except Exception:  # noqa: BLE001 (a dtype numba lacks, e.g. float16: see seg_copy)
             _NO_KERNEL.add(np.dtype(dt))
     return kernel
 
@@ -53,16 +55,22 @@ def _compile():
 def implementation() -> str:
     """``"numba"`` or ``"numpy"``: which segmented copy this process uses."""
     global _IMPL
-    if _IMPL is None:
-        if os.environ.get("USERWISE_NO_NUMBA") == "1":
-            _IMPL = ("numpy", _numpy_copy, "USERWISE_NO_NUMBA=1")
-        else:
-            try:
-                _IMPL = ("numba", _compile(), "compiled")
-            except Exception as e:  # noqa: BLE001 (ImportError, or a numba that cannot compile here)
-                _IMPL = ("numpy", _numpy_copy, f"numba unavailable: {type(e).__name__}: {e}")
-        log.info("userwise loader: segmented copies by %s (%s)", _IMPL[0], _IMPL[2])
+    with _LOCK:
+        if _IMPL is None:
+            _choose()
     return _IMPL[0]
+
+
+def _choose() -> None:
+    global _IMPL
+    if os.environ.get("USERWISE_NO_NUMBA") == "1":
+        _IMPL = ("numpy", _numpy_copy, "USERWISE_NO_NUMBA=1")
+    else:
+        try:
+            _IMPL = ("numba", _compile(), "compiled")
+        except Exception as e:  # noqa: BLE001 (ImportError, or a numba that cannot compile here)
+            _IMPL = ("numpy", _numpy_copy, f"numba unavailable: {type(e).__name__}: {e}")
+    log.info("userwise loader: segmented copies by %s (%s)", _IMPL[0], _IMPL[2])
 
 
 def seg_copy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
