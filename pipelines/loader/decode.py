@@ -22,8 +22,8 @@ import torch
 
 from .. import gds as gdsmod
 from ..errors import ShardError
-from .segcopy import seg_copy
 from .batch import ALIGN, JaggedBatch, _ranges, dtype_name, repeat, take, torch_dtype
+from .segcopy import seg_copy
 
 
 REQ_LISTS = ("req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps", "req_snapshot")

@@ -33,18 +33,15 @@ def _numpy_copy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: n
     np.concatenate(views or [src[:0]], out=out[: int(lengths.sum())])
 
 
-# the dtypes list columns decode to (decode._NP): compiled (or loaded from numba's cache) together,
-# so that worker processes forked afterwards inherit them instead of each loading its own
-WARM_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-               "float64")
-
-
 def _compile():
     from ._segcopy_numba import kernel
+    from .decode import _NP  # the dtypes columns decode to (imported here: decode imports this module)
 
     i = np.zeros(1, np.int64)
     kernel(np.zeros(2, np.int64), i, i + 1, np.zeros(2, np.int64))  # fails here if numba cannot compile at all
-    for dt in WARM_DTYPES:
+    # every dtype at once (compiled, or loaded from numba's cache), so that worker processes
+    # forked afterwards inherit them instead of each loading its own
+    for dt in sorted({np.dtype(t) for t in _NP.values()}, key=str):
         try:
             kernel(np.zeros(2, dt), i, i + 1, np.zeros(2, dt))
         except Exception:  # noqa: BLE001 (a dtype numba lacks, e.g. float16: see seg_copy)
