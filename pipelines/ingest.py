@@ -234,7 +234,7 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
         wfirst = Window.partitionBy(ok, *rk).orderBy(*pos, "_h", "_file", "_row").rowsBetween(
             Window.unboundedPreceding, Window.currentRow)
         acc = F.col("_reason").isNull()
-        df = df.withColumn(SNAP_KEEP, acc & (F.sum(F.when(acc, F.lit(1)).otherwise(F.lit(0))).over(wfirst) == 1))
+        df = df.withColumn(SNAP_KEEP, acc & (F.count(F.when(acc, F.lit(1))).over(wfirst) == 1))
         keep = F.col(SNAP_KEEP) | ~acc
         for c in layout.snapshot_columns:
             df = df.withColumn(c, F.when(keep, F.col(c)))
