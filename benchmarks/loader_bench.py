@@ -1,7 +1,7 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
-                                      [--repeats 7] [--json out.json] [--plot docs/img/loader_throughput.png]
+                                      [--repeats 7] [--device cpu|cuda] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
@@ -86,6 +86,8 @@ def loader_epoch(ld) -> dict:
         samples += b.num_samples
         events += int(b.meta.get("events", 0))
         imps += int(b.meta.get("impressions", 0))
+    if ld.device.type == "cuda":  # the last copies landed
+        torch.cuda.synchronize(ld.device)
     return {"samples": samples, "events": events, "impressions": imps, "s": time.perf_counter() - t,
             "cpu_s": cpu_now() - c0}
 
@@ -150,11 +152,11 @@ def pointwise_rate(dl, cap_s: float) -> dict:
     return {"impressions_per_s": n / (time.perf_counter() - t), "startup_s": startup}
 
 
-def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float) -> dict:
+def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu") -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
-    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device="cpu")
-    ld = UserwiseLoader(ds, num_workers=workers, device="cpu")
+    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device=device, gds=False)
+    ld = UserwiseLoader(ds, num_workers=workers, device=device)
     warm = loader_epoch(ld)  # worker start-up + first decode
     ceil, lds, pairs = [], [], []
     for _ in range(repeats):
@@ -173,7 +175,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     ld_imps = statistics.median(r["impressions"] / r["s"] for r in lds)
     ceil_s = statistics.median(c["s"] for c in ceil)
     return {
-        "workers": workers,
+        "workers": workers, "device": device,
         "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
                    "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
                    "startup_s": max(0.0, warm["s"] - steady)},
@@ -246,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--row-group-rows", type=int, default=2048, help="rows per row group (default: preshard's)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the loader delivers batches (cuda: pinned pool + side-stream copies; "
+                        "the ceiling stays pyarrow into host memory)")
     p.add_argument("--pointwise-samples", type=int, default=None,
                    help="samples expanded for the point-wise file (default: 300 long, 3000 short)")
     p.add_argument("--pointwise-cap-s", type=float, default=5.0)
@@ -254,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="write a bar chart (PNG) here")
     p.add_argument("--before", help="an earlier run's --json, drawn next to this one in the plot")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device here")
     out = {"profiles": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for prof in a.profiles:
@@ -263,8 +270,9 @@ def main(argv=None) -> int:
             res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
             out["profiles"][prof] = res
     out["loadavg_end"] = os.getloadavg()
-    print(json.dumps(out, indent=1, default=float))
-    if a.json:
+    if not a.json:
+        print(json.dumps(out, indent=1, default=float))
+    else:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=float)
     if a.plot:
@@ -297,12 +305,12 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     samples = sum(s["rows"] for s in man["shards"])
     res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "repeats": a.repeats,
            "events_per_sample": sum(s["events"] for s in man["shards"]) / samples,
-           "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(),
+           "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(), "device": a.device,
            "loadavg_start": os.getloadavg(), "runs": []}
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
     for w in a.workers:
-        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s)
+        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "

@@ -111,3 +111,27 @@ def test_validity_reads_the_bitmap_of_sliced_arrays(n):
     for off in range(min(n, 10)):
         assert validity(a.slice(off)).tolist() == [int(v is not None) for v in vals[off:]], off
     assert validity(pa.array([1.0] * n)).tolist() == [1] * n
+
+
+def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
+    """The GDS path assembles batches with torch ops where the columns live (the device).
+    Run that assembler on CPU tensors read from the side files and compare every batch
+    with the host assembler's bytes (the GPU run of the same code: tests/test_gpu.py)."""
+    import torch
+
+    from userwise.pipelines.loader import decode
+
+    ds = UserwiseDataset(gdsset, gds="host", world_size=1, rank=0, batch_size=8, seed=3, verify="none")
+    alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+    plan, n = ds.plan(0), 0
+    for buf in plan.buffers:
+        cols = ds.read_buffer(buf.rgs)
+        host = decode.Prepared(cols)
+        for k in range(buf.num_batches):
+            idx = np.asarray(buf.perm[int(buf.bounds[k]): int(buf.bounds[k + 1])], np.int64)
+            a = host.assemble(idx, alloc, {"index": n})
+            b = decode.assemble(decode._torch_cols(cols), torch.from_numpy(idx), alloc, {"index": n})
+            assert a.spec == b.spec and a.meta["columns"] == b.meta["columns"]
+            assert bytes(a.buffer.numpy()) == bytes(b.buffer.numpy())
+            n += 1
+    assert n == plan.num_batches and n > 3

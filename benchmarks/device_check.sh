@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The loader's GPU checks in one short run (about 5 minutes) on a CUDA machine:
+#
+#     bash benchmarks/device_check.sh [OUTDIR]
+#
+# 1. tests on CUDA: tests/test_gpu.py (pinned pool, side-stream prefetch,
+#    record_stream, resume, kvikio GDS reads; skipped elsewhere), plus the GDS,
+#    segmented-copy and diagnose tests;
+# 2. benchmarks/gpu_check.py: pinned vs pageable H2D, prefetch overlap, the GDS path;
+# 3. benchmarks/loader_bench.py with the loader delivering to the GPU (--device cuda)
+#    and to host memory (--device cpu), on this host's cores.
+#
+# It runs with the python3 on PATH and that interpreter's packages (a GPU image's
+# torch, pyarrow, numpy, numba), without installing the project: a shim folder maps
+# userwise.pipelines -> pipelines/ and userwise.schemas -> schemas/ (as the
+# project's package-dir does). Wheels in .whl/ (e.g. kvikio-cu13, libkvikio-cu13,
+# rapids-logger for the GDS path) are installed into a scratch folder first.
+# Every step has its own time limit; a failing step does not stop the others.
+# Output: OUTDIR/device_check.log and the benchmarks' JSON files.
+set -u
+OUTDIR=${1:-${OUT:-/tmp/device_check}}
+mkdir -p "$OUTDIR"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+LOG=$OUTDIR/device_check.log
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/uw-site .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+    export PYTHONPATH=/tmp/uw-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+SHIM=$(mktemp -d)
+mkdir -p "$SHIM/userwise"
+ln -s "$REPO/pipelines" "$SHIM/userwise/pipelines"
+ln -s "$REPO/schemas" "$SHIM/userwise/schemas"
+export PYTHONPATH=$SHIM:$REPO${PYTHONPATH:+:$PYTHONPATH}
+
+step() {  # step NAME LIMIT_S CMD...
+    local name=$1 lim=$2 t0
+    shift 2
+    t0=$(date +%s)
+    echo "== $name (limit ${lim}s)" | tee -a "$LOG"
+    timeout "$lim" "$@" 2>&1 | grep -v -E "^\s*$" | tee -a "$LOG"
+    echo "== $name: rc=${PIPESTATUS[0]} in $(($(date +%s) - t0))s" | tee -a "$LOG"
+}
+
+step env 60 bash -c 'nvidia-smi -L; nproc; free -g | head -2; python3 -c "
+import sys, numpy, pyarrow, torch
+print(sys.version.split()[0], \"numpy\", numpy.__version__, \"pyarrow\", pyarrow.__version__, \"torch\", torch.__version__,
+      \"cuda\", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")
+for m in (\"numba\", \"kvikio\", \"psutil\"):
+    try:
+        print(m, __import__(m).__version__)
+    except Exception as e:
+        print(m, \"unavailable:\", type(e).__name__, e)
+import userwise.pipelines.loader as L; print(\"loader from\", L.__file__)
+"'
+step tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+    tests/test_gpu.py tests/test_gds.py tests/test_segcopy.py tests/test_loader_tools.py
+step gpu_check 110 python3 benchmarks/gpu_check.py --cap-s 15 --out "$OUTDIR"
+step loader_bench_cuda 130 python3 benchmarks/loader_bench.py --device cuda --profiles long short --repeats 5 \
+    --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cuda.json"
+step loader_bench_cpu 130 python3 benchmarks/loader_bench.py --device cpu --profiles long short --repeats 5 \
+    --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cpu.json"
+echo "device_check: done" | tee -a "$LOG"
