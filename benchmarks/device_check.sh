@@ -16,6 +16,7 @@
 # project's package-dir does). Wheels in .whl/ (e.g. kvikio-cu13, libkvikio-cu13,
 # rapids-logger for the GDS path) are installed into a scratch folder first.
 # Every step has its own time limit; a failing step does not stop the others.
+# STEPS="env tests" (default: all five) picks steps.
 # Output: OUTDIR/device_check.log and the benchmarks' JSON files.
 set -u
 OUTDIR=${1:-${OUT:-/tmp/device_check}}
@@ -35,9 +36,11 @@ ln -s "$REPO/pipelines" "$SHIM/userwise/pipelines"
 ln -s "$REPO/schemas" "$SHIM/userwise/schemas"
 export PYTHONPATH=$SHIM:$REPO${PYTHONPATH:+:$PYTHONPATH}
 
+STEPS=${STEPS:-env tests gpu_check loader_bench_cuda loader_bench_cpu}
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 lim=$2 t0
     shift 2
+    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     t0=$(date +%s)
     echo "== $name (limit ${lim}s)" | tee -a "$LOG"
     timeout "$lim" "$@" 2>&1 | grep -v -E "^\s*$" | tee -a "$LOG"

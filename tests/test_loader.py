@@ -355,3 +355,47 @@ def test_shard_reads_allocate_from_the_system_pool_and_leave_the_default_alone(s
     before = pa.system_memory_pool().bytes_allocated()
     t = f.read_row_groups([0])
     assert t.num_rows > 0 and pa.system_memory_pool().bytes_allocated() > before
+
+
+class _Event:
+    """A stand-in for a CUDA event: done once the test says so."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_pinned_pool_reuses_buffers_only_after_their_copy_and_grows_within_its_cap():
+    from userwise.pipelines.loader.loader import PinnedPool
+
+    made = []
+    pool = PinnedPool(3, alloc=lambda n: made.append(torch.empty(n, dtype=torch.uint8)) or made[-1])
+    a, b = pool.acquire(100), pool.acquire(400)
+    ea, eb = _Event(), _Event()
+    pool.release(a, ea)
+    pool.release(b, eb)
+    c = pool.acquire(100)  # a's copy still in flight: a third buffer, not a
+    assert c.data_ptr() not in (a.data_ptr(), b.data_ptr()) and len(made) == 3
+    ea.done = True
+    assert pool.acquire(50).data_ptr() == a.data_ptr()  # the smallest free buffer that fits
+    pool.release(c, _Event())
+    d = pool.acquire(300)  # none free fits (b busy, c busy): the oldest copy is waited for
+    assert d.data_ptr() == b.data_ptr() and eb.done and len(made) == 3
+    pool.release(d, _Event())
+    big = pool.acquire(10_000)  # larger than every buffer, cap reached: waits, then replaces a small one
+    assert big.numel() >= 10_000 and pool.count <= 3
+    assert len(made) == 4
+    # several free buffers: the one that fits is taken by position (not by comparing tensors)
+    pool = PinnedPool(4, alloc=lambda n: torch.zeros(n, dtype=torch.uint8))
+    bufs = [pool.acquire(n) for n in (10, 10, 500)]
+    for x in bufs:
+        e = _Event()
+        e.done = True
+        pool.release(x, e)
+    assert pool.acquire(400).data_ptr() == bufs[2].data_ptr()
+    assert pool.acquire(10).data_ptr() in (bufs[0].data_ptr(), bufs[1].data_ptr())

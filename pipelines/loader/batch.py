@@ -139,6 +139,8 @@ class JaggedBatch:
     def to(self, device, non_blocking: bool = False) -> "JaggedBatch":
         """One copy of the whole buffer (asynchronous from pinned memory with non_blocking)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # as torch's .to reads "cuda"
         if self.buffer.device == device:
             return self
         return self._with(self.buffer.to(device, non_blocking=non_blocking))

@@ -170,29 +170,38 @@ class LoaderStats:
         self.__init__()
 
 
-class PinnedPool:
-    """Reused pinned host buffers; a buffer is reused only after its copy's event completed."""
+def _pinned(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
-    def __init__(self, max_buffers: int):
+
+class PinnedPool:
+    """Reused pinned host buffers; a buffer is reused only after its copy's event completed.
+
+    At most ``max_buffers`` exist; a request larger than every free buffer replaces the
+    smallest free one (buffers are sized 1.25x the request, so growth is rare)."""
+
+    def __init__(self, max_buffers: int, alloc=_pinned):
         self.max_buffers = max_buffers
+        self.alloc = alloc
         self.free: list[torch.Tensor] = []
         self.busy: collections.deque = collections.deque()
         self.count = 0
+
+    def _take_free(self, i: int) -> torch.Tensor:
+        return self.free.pop(i)  # by position: list.remove would compare tensors element-wise
 
     def acquire(self, n: int) -> torch.Tensor:
         while True:
             while self.busy and self.busy[0][1].query():
                 self.free.append(self.busy.popleft()[0])
-            fit = [b for b in self.free if b.numel() >= n]
+            fit = [i for i, b in enumerate(self.free) if b.numel() >= n]
             if fit:
-                b = min(fit, key=lambda t: t.numel())
-                self.free.remove(b)
-                return b
+                return self._take_free(min(fit, key=lambda i: self.free[i].numel()))
             if self.count < self.max_buffers:
                 self.count += 1
-                return torch.empty(max(n, 1) * 5 // 4 + 64, dtype=torch.uint8, pin_memory=True)
+                return self.alloc(max(n, 1) * 5 // 4 + 64)
             if self.free:  # grow the smallest free buffer
-                self.free.remove(min(self.free, key=lambda t: t.numel()))
+                self._take_free(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
                 self.count -= 1
                 continue
             buf, ev = self.busy.popleft()
@@ -232,7 +241,7 @@ class UserwiseLoader:
                  pin_memory=None, multiprocessing_context="fork", timeout=600.0):
         self.dataset = dataset
         self.num_workers = int(num_workers)
-        self.device = torch.device(device) if device is not None else dataset.device
+        self.device = _full_device(torch.device(device) if device is not None else dataset.device)
         self.prefetch = max(1, int(prefetch))
         self.worker_queue = max(1, int(worker_queue))
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -293,7 +302,7 @@ class UserwiseLoader:
 
     def _alloc(self):
         if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there
-            return lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)
+            return lambda n: torch.empty(n, dtype=torch.uint8, device=self.dataset.device)
         if self._pool is None:
             return None
         holder = self._last_pinned = []
@@ -379,8 +388,9 @@ class UserwiseLoader:
                     raise RuntimeError(f"loader worker {w} sent nothing for {self.timeout:.0f}s")
 
     def _device_batches(self, host):
-        if self.device.type != "cuda":
-            yield from host
+        if self.device.type != "cuda":  # host batches (a GDS dataset's come from its device)
+            for b in host:
+                yield b if b.device == self.device else b.to(self.device)
             return
         side = torch.cuda.Stream(device=self.device)
         inflight: collections.deque = collections.deque()
@@ -416,6 +426,13 @@ class UserwiseLoader:
         cur.wait_event(ev)
         d.record_stream(cur)
         return d
+
+
+def _full_device(d: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so it compares equal to a tensor's device."""
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def _cores() -> int:
