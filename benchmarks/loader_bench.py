@@ -217,7 +217,7 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
                 ax.text(px, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
             top = max([top] + vals)
         ax.axhline(target, ls="--", c="k", lw=1)
-        ax.set_ylim(0, 1.2 * top)
+        ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
         ax.set_xticks(x, [str(w) for w in workers])
         ax.set(title=title, xlabel="workers")
         ax.legend(fontsize=7, loc="upper left")

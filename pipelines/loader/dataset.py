@@ -41,6 +41,16 @@ def dist_rank_world() -> tuple[int, int]:
 REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
 
 
+def _kvikio_compat() -> bool:
+    """True when kvikio would read without GPUDirect Storage (no cuFile driver: POSIX reads)."""
+    import kvikio.defaults
+
+    try:
+        return bool(kvikio.defaults.is_compat_mode_preferred())
+    except AttributeError:  # pragma: no cover (older kvikio)
+        return bool(kvikio.defaults.compat_mode())
+
+
 def open_parquet(path: str, memory_map: bool = True) -> pq.ParquetFile:
     """A shard file whose reads allocate from the system allocator, not Arrow's default
     (mimalloc). The loader keeps a decoded buffer alive while its batches are cut and the
@@ -80,8 +90,10 @@ class UserwiseDataset(IterableDataset):
         columns (list[str] | None): columns to read (default all; the pointer
             columns are always read).
         verify ("checksum" | "size" | "none"): checks before training (default checksum).
-        gds ("auto" | "host" | False): "auto" reads GDS side files into device memory when
-            kvikio, a GPU and side files exist (falls back to Parquet otherwise);
+        gds ("auto" | "device" | "host" | False): "auto" reads GDS side files into device
+            memory when kvikio (with a GDS driver), a GPU and side files exist, else Parquet;
+            "device" takes kvikio's path even in its compatibility mode (no GDS driver:
+            POSIX reads; an error when kvikio, side files or CUDA are missing);
             "host" reads the side files on the host (a test path); False: Parquet.
         device: the device batches are for (only decides the GDS path; default cuda if available).
         all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
@@ -134,17 +146,35 @@ class UserwiseDataset(IterableDataset):
 
     # -- data path ---------------------------------------------------------------
     def _choose_path(self, gds) -> str:
+        gds = "auto" if gds is True else gds
+        if gds not in ("auto", "device", "host", False, None):
+            raise ValueError(f"gds must be 'auto', 'device', 'host' or False, got {gds!r}")
         have_side = all(s.get("gds_path") for s in self.shards.shards)
         if gds == "host":
             if not have_side:
                 raise ShardError(f"{self.shards.root}: gds='host' but the shards have no GDS side files (preshard --layout gds)")
             path, why = "gds-host", "side files read on the host (test path)"
-        elif gds == "auto" and have_side and self.device.type == "cuda":
+        elif gds == "device" and not (have_side and self.device.type == "cuda"):
+            raise ShardError(f"{self.shards.root}: gds='device' needs GDS side files (preshard --layout gds) "
+                             f"and a CUDA device (device={self.device})")
+        elif gds in ("auto", "device") and have_side and self.device.type == "cuda":
             try:
                 import kvikio  # noqa: F401
-                path, why = "gds", "kvikio + GPU + side files: reading straight into device memory"
             except ImportError:
+                if gds == "device":
+                    raise ShardError("gds='device' needs kvikio (pip install userwise[gds])") from None
                 path, why = "parquet", "GDS fallback: kvikio is not importable"
+            else:
+                compat = _kvikio_compat()
+                if compat and gds == "auto":
+                    # kvikio without a GDS driver reads through POSIX and bounce buffers: measured
+                    # 7x slower than Parquet + pinned memory (docs/loader.md, H200 run)
+                    path, why = "parquet", ("GDS fallback: kvikio has no GDS driver here (compatibility mode); "
+                                            "Parquet via pinned memory is faster. gds='device' forces kvikio")
+                else:
+                    path = "gds"
+                    why = ("kvikio + GPU + side files: reading straight into device memory"
+                           + (" (kvikio compatibility mode: POSIX reads, forced by gds='device')" if compat else ""))
         else:
             why = ("GDS not requested" if not gds else "no GDS side files" if not have_side else "no GPU")
             path = "parquet"
