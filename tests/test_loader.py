@@ -399,3 +399,52 @@ def test_pinned_pool_reuses_buffers_only_after_their_copy_and_grows_within_its_c
         pool.release(x, e)
     assert pool.acquire(400).data_ptr() == bufs[2].data_ptr()
     assert pool.acquire(10).data_ptr() in (bufs[0].data_ptr(), bufs[1].data_ptr())
+
+
+def _reference(root, **kw):
+    ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", **kw)
+    return [bytes(b.buffer.numpy()) for b in UserwiseLoader(ds)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_zero_copy_batches_stay_intact_while_held_and_slots_come_back(shardset, workers):
+    """Host batches from workers are views of the workers' shared-memory slots. Hold some
+    (every third, out of order with the others' drops) to the end of the epoch, drop the rest
+    at once: every batch keeps its bytes, batches were lent (no copy), and the slots of
+    dropped batches went back to the workers."""
+    kw = dict(batch_size=4, seed=9)
+    ref = _reference(shardset, **kw)
+    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=workers)
+    held, seen, most_lent = [], [], 0
+    for i, b in enumerate(ld):
+        seen.append(bytes(b.buffer.numpy()))
+        most_lent = max(most_lent, sum(ld._workers.lent))
+        if i % 3 == 0:
+            held.append((i, b))
+        del b
+    assert seen == ref and len(ref) > 12 and most_lent >= 1
+    assert all(bytes(b.buffer.numpy()) == ref[i] for i, b in held)  # not overwritten while held
+    pool = ld._workers
+    assert sum(pool.lent) <= len(held) + workers  # dropped batches' slots were reclaimed
+    held.clear()
+    import gc
+    gc.collect()
+    for w in range(workers):
+        pool.reclaim(w)
+    assert pool.lent == [0] * workers
+    ld.close()
+
+
+def test_zero_copy_consumer_holding_every_batch_gets_copies_and_never_stalls(shardset):
+    kw = dict(batch_size=3, seed=4)
+    ref = _reference(shardset, **kw)
+    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=2,
+                        timeout=30)
+    got = list(ld)  # holds everything: at most nslots - 1 lent per worker, the rest copied
+    assert [bytes(b.buffer.numpy()) for b in got] == ref
+    assert all(n == ld._workers.nslots - 1 for n in ld._workers.lent)
+    off = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=2,
+                         zero_copy=False)
+    assert [bytes(b.buffer.numpy()) for b in off] == ref and off._workers.lent == [0, 0]
+    ld.close()
+    off.close()

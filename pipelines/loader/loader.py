@@ -38,22 +38,22 @@ def shm_alloc(n: int) -> torch.Tensor:
 class _Ring:
     """A worker's ring of reused shared-memory batch buffers.
 
-    Slot i of the worker's batch stream is ``i % len(slots)``; the semaphore
-    (one count per free slot) is released by the trainer once it has copied a
-    batch out, so a slot is rewritten only after it was read. A slot's storage
-    goes to the trainer once (with the first batch that used it, or when it had
-    to grow); afterwards a batch is announced by its slot number alone: no
-    per-batch shared-memory create/unlink, no file-descriptor passing."""
+    The worker writes a batch into a free slot, taken from ``free`` (a queue the
+    trainer puts slot numbers back into once it is done with them: after copying
+    the batch out, or, for a batch lent to the consumer without a copy, once the
+    consumer dropped it). A slot's storage goes to the trainer once (with the
+    first batch that used it, or when it had to grow); afterwards a batch is
+    announced by its slot number alone: no per-batch shared-memory
+    create/unlink, no file-descriptor passing."""
 
-    def __init__(self, nslots: int, sem):
+    def __init__(self, nslots: int, free):
         self.slots: list[torch.Tensor | None] = [None] * nslots
-        self.sem = sem
-        self.i = 0
+        self.free = free
+        self.k = None
         self.fresh = None
 
     def alloc(self, n: int) -> torch.Tensor:
-        self.sem.acquire()
-        k = self.i % len(self.slots)
+        k = self.k = self.free.get()
         buf = self.slots[k]
         if buf is None or buf.numel() < n:
             buf = self.slots[k] = shm_alloc(max(n, 1) * 5 // 4 + 4096)
@@ -63,19 +63,18 @@ class _Ring:
         return buf[:n]
 
     def sent(self) -> tuple[int, torch.Tensor | None]:
-        k, fresh = self.i % len(self.slots), self.fresh
-        self.i += 1
+        k, fresh = self.k, self.fresh
         self.fresh = None
         return k, fresh
 
 
-def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, sem, nslots: int, read_threads: bool = False) -> None:
+def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, free, nslots: int, read_threads: bool = False) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next."""
     torch.set_num_threads(1)
     # Arrow's decode threads only where cores are left over (fewer workers than cores):
     # otherwise the workers' thread pools would just compete with each other
     ds.read_threads = read_threads
-    ring = _Ring(nslots, sem)
+    ring = _Ring(nslots, free)
     while True:
         msg = cmd.get()
         if msg is None:
@@ -102,16 +101,39 @@ class _Pool:
     """Persistent worker processes (started once, fed one epoch plan per iteration)."""
 
     def __init__(self, ctx, ds, k: int, nslots: int):
-        self.k = k
+        self.k, self.nslots = k, nslots
         self.cmd = [ctx.SimpleQueue() for _ in range(k)]
         self.q = [ctx.Queue() for _ in range(k)]
-        self.sem = [ctx.Semaphore(nslots) for _ in range(k)]
+        self.free = [ctx.SimpleQueue() for _ in range(k)]  # slot numbers the worker may write
+        for f in self.free:
+            for slot in range(nslots):
+                f.put(slot)
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
+        # batches lent to the consumer without a copy: how many per worker, and the slots
+        # their finalizers gave back (a deque append is safe from any thread or GC pass;
+        # the trainer moves them to the worker's queue before it waits on that worker)
+        self.lent = [0] * k
+        self.returned = [collections.deque() for _ in range(k)]
         threads = k < _cores()
-        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.sem[w], nslots, threads),
+        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.free[w], nslots, threads),
                                   daemon=True) for w in range(k)]
         for p in self.procs:
             p.start()
+
+    def reclaim(self, w: int) -> None:
+        """Give worker w back the slots of lent batches the consumer has dropped."""
+        r = self.returned[w]
+        while r:
+            self.free[w].put(r.popleft())
+            self.lent[w] -= 1
+
+    def lend(self, w: int, slot: int, n: int) -> torch.Tensor:
+        """The batch in worker w's slot as a tensor of its own, without a copy; the slot
+        goes back to the worker once every view of it is gone."""
+        v = self.slots[w][slot][:n].numpy()  # a fresh ndarray object, kept alive by the tensor's storage
+        weakref.finalize(v, self.returned[w].append, slot).atexit = False
+        self.lent[w] += 1
+        return torch.from_numpy(v)
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers: asked to exit when idle (between epochs), terminated when they
@@ -223,6 +245,11 @@ class UserwiseLoader:
         pin_memory (bool | None): default: when the device is CUDA.
         multiprocessing_context (str): default "fork".
         timeout (float): seconds to wait for one batch before failing (default 600).
+        zero_copy (bool): with workers and host batches (no pinned pool), hand each batch
+            out as a view of the worker's shared-memory slot instead of copying it; the
+            slot is reused once the batch and every view of it are garbage-collected. A
+            consumer that holds on to more than ``worker_queue`` batches of one worker
+            gets copies from then on, so the workers never stall. Default True.
 
     State (``state_dict``/``load_state_dict``): ``{"epoch", "cursor", "seed"}``;
     ``cursor`` is the number of batches of the epoch already handed out, so a
@@ -238,7 +265,7 @@ class UserwiseLoader:
     """
 
     def __init__(self, dataset: UserwiseDataset, *, num_workers=0, device=None, prefetch=2, worker_queue=2,
-                 pin_memory=None, multiprocessing_context="fork", timeout=600.0):
+                 pin_memory=None, multiprocessing_context="fork", timeout=600.0, zero_copy=True):
         self.dataset = dataset
         self.num_workers = int(num_workers)
         self.device = _full_device(torch.device(device) if device is not None else dataset.device)
@@ -248,6 +275,7 @@ class UserwiseLoader:
         self.pin = cuda if pin_memory is None else bool(pin_memory and torch.cuda.is_available())
         self.ctx = mp.get_context(multiprocessing_context)
         self.timeout = float(timeout)
+        self.zero_copy = bool(zero_copy)
         if dataset.data_path == "gds" and self.num_workers:
             say_once("userwise loader: the GDS path reads in the main process; num_workers ignored")
             self.num_workers = 0
@@ -324,17 +352,21 @@ class UserwiseLoader:
         owner = plan.batch_owner(k)
         if self._workers is None:  # started once, kept across epochs
             segcopy.implementation()  # compiled here once; forked workers inherit it
-            self._workers = _Pool(self.ctx, ds, k, self.worker_queue + 1)
+            # one more slot when batches are lent: the consumer usually holds the current one
+            self._workers = _Pool(self.ctx, ds, k, self.worker_queue + 1 + int(self.zero_copy))
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
         for w in range(k):
             pool.cmd[w].put((plan, start, k))
         alloc = self._alloc() or _host_alloc
+        # host batches (no pinned pool) are lent straight out of the ring, no copy
+        lend = self.zero_copy and self._pool is None
         roles, columns = ds.shards.roles, [None] * k
         clean = False
         try:
             for j in range(start, plan.num_batches):
                 w = int(owner[j])
+                pool.reclaim(w)
                 msg = self._get(pool.q[w], pool.procs[w], w)
                 if msg[0] == "error":
                     if msg[3]:
@@ -350,10 +382,13 @@ class UserwiseLoader:
                 meta["roles"] = roles
                 if fresh is not None:
                     pool.slots[w][slot] = fresh
-                dst = alloc(n)
-                if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
-                    np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
-                pool.sem[w].release()
+                if lend and pool.lent[w] < pool.nslots - 1:  # the worker always keeps one slot
+                    dst = pool.lend(w, slot, n)
+                else:
+                    dst = alloc(n)
+                    if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
+                        np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
+                    pool.free[w].put(slot)
                 b = JaggedBatch(dst, spec, meta)
                 _count(b)
                 yield b
