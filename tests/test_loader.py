@@ -402,7 +402,7 @@ def test_pinned_pool_reuses_buffers_only_after_their_copy_and_grows_within_its_c
 
 
 def _reference(root, **kw):
-    ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", **kw)
+    ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", device="cpu", **kw)
     return [bytes(b.buffer.numpy()) for b in UserwiseLoader(ds)]
 
 
@@ -414,7 +414,8 @@ def test_zero_copy_batches_stay_intact_while_held_and_slots_come_back(shardset, 
     dropped batches went back to the workers."""
     kw = dict(batch_size=4, seed=9)
     ref = _reference(shardset, **kw)
-    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=workers)
+    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", device="cpu", **kw),
+                        num_workers=workers)
     held, seen, most_lent = [], [], 0
     for i, b in enumerate(ld):
         seen.append(bytes(b.buffer.numpy()))
@@ -438,13 +439,13 @@ def test_zero_copy_batches_stay_intact_while_held_and_slots_come_back(shardset, 
 def test_zero_copy_consumer_holding_every_batch_gets_copies_and_never_stalls(shardset):
     kw = dict(batch_size=3, seed=4)
     ref = _reference(shardset, **kw)
-    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=2,
-                        timeout=30)
+    ld = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", device="cpu", **kw),
+                        num_workers=2, timeout=30)
     got = list(ld)  # holds everything: at most nslots - 1 lent per worker, the rest copied
     assert [bytes(b.buffer.numpy()) for b in got] == ref
     assert all(n == ld._workers.nslots - 1 for n in ld._workers.lent)
-    off = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", **kw), num_workers=2,
-                         zero_copy=False)
+    off = UserwiseLoader(UserwiseDataset(shardset, world_size=1, rank=0, verify="none", device="cpu", **kw),
+                         num_workers=2, zero_copy=False)
     assert [bytes(b.buffer.numpy()) for b in off] == ref and off._workers.lent == [0, 0]
     ld.close()
     off.close()
