@@ -107,7 +107,7 @@ def test_holdout_window_and_seeded_user_share_partition_the_samples(shardset):
 def _batches(loader, n=None):
     out = []
     for b in loader:
-        out.append((b.meta["index"], b.numpy("sample_id").tolist(), bytes(b.buffer.numpy())))
+        out.append((b.meta["index"], b.numpy("sample_id").tolist(), bytes(b.buffer.cpu().numpy())))
         if n is not None and len(out) == n:
             break
     return out
@@ -208,7 +208,8 @@ def test_expand_batch_matches_plain_python_expansion(shardset):
 
 
 def test_batch_memory_methods_on_cpu(shardset):
-    b = next(iter(UserwiseLoader(UserwiseDataset(shardset, batch_size=8, verify="none", world_size=1, rank=0))))
+    ds = UserwiseDataset(shardset, batch_size=8, verify="none", world_size=1, rank=0, device="cpu")
+    b = next(iter(UserwiseLoader(ds)))
     assert isinstance(b, JaggedBatch) and b.buffer.dtype == torch.uint8 and b.buffer.dim() == 1
     assert b.to("cpu", non_blocking=True) is b
     assert b.record_stream(None) is b
