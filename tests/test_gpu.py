@@ -55,14 +55,20 @@ def test_cuda_batches_equal_host_batches(gpuset, workers, prefetch):
     ld = UserwiseLoader(ds, num_workers=workers, device="cuda", prefetch=prefetch)
     assert ld.pin and ds.data_path == "parquet"
     a = torch.randn(512, 512, device="cuda")
-    kept = []
+    kept, most_lent = [], 0
     for b in ld:
         assert b.device.type == "cuda"
         a = busy(a)
         kept.append(b)  # held to the end: the allocator must not hand these buffers out again
+        if workers:
+            most_lent = max(most_lent, sum(ld._workers.lent))
     torch.cuda.synchronize()
     pool = ld._pool  # reused pinned buffers, not one per batch
-    assert 0 < pool.count < len(kept) and all(t.is_pinned() for t in pool.free + [b for b, _ in pool.busy])
+    assert pool.count < len(kept) and all(t.is_pinned() for t in pool.free + [b for b, _ in pool.busy])
+    if workers:  # the workers' slots are page-locked: batches go to the device from there, no copy
+        assert ld._workers.registered and most_lent >= 1
+    else:
+        assert pool.count > 0
     assert [(b.spec, bytes(b.buffer.cpu().numpy())) for b in kept] == ref
     ld.close()
 

@@ -114,11 +114,30 @@ class _Pool:
         # the trainer moves them to the worker's queue before it waits on that worker)
         self.lent = [0] * k
         self.returned = [collections.deque() for _ in range(k)]
+        self.register = False  # page-lock slots as they arrive (set by the loader on CUDA hosts)
+        self.registered: dict[tuple[int, int], int] = {}
         threads = k < _cores()
         self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.free[w], nslots, threads),
                                   daemon=True) for w in range(k)]
         for p in self.procs:
             p.start()
+
+    def put_slot(self, w: int, slot: int, storage: torch.Tensor) -> None:
+        """Worker w's (new) storage for a slot. With ``register`` (CUDA hosts) it is page-locked
+        once with cudaHostRegister, so batches in it go to the device without first being
+        copied into the pinned pool; a storage it replaces is unregistered first (its slot
+        came back, so no copy from it is in flight)."""
+        old = self.registered.pop((w, slot), None)
+        if old is not None:
+            _host_unregister(old)
+        self.slots[w][slot] = storage
+        if self.register:
+            if _host_register(storage):
+                self.registered[(w, slot)] = storage.data_ptr()
+            else:
+                self.register = False
+                say_once("userwise loader: cudaHostRegister refused the workers' shared memory; "
+                         "worker batches are copied into pinned buffers instead")
 
     def reclaim(self, w: int) -> None:
         """Give worker w back the slots of lent batches the consumer has dropped."""
@@ -138,6 +157,14 @@ class _Pool:
     def close(self, graceful: bool = True) -> None:
         """Stop the workers: asked to exit when idle (between epochs), terminated when they
         may be blocked mid-epoch on a full ring (their pending batches are discarded)."""
+        if self.registered:  # no copy from a registered slot may still run when it is unregistered
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 (interpreter shutdown)
+                pass
+            for ptr in self.registered.values():
+                _host_unregister(ptr)
+            self.registered.clear()
         if not graceful:
             for p in self.procs:
                 if p.is_alive():
@@ -354,13 +381,15 @@ class UserwiseLoader:
             segcopy.implementation()  # compiled here once; forked workers inherit it
             # one more slot when batches are lent: the consumer usually holds the current one
             self._workers = _Pool(self.ctx, ds, k, self.worker_queue + 1 + int(self.zero_copy))
+            self._workers.register = self.zero_copy and self._pool is not None  # CUDA hosts: page-lock slots
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
         for w in range(k):
             pool.cmd[w].put((plan, start, k))
         alloc = self._alloc() or _host_alloc
-        # host batches (no pinned pool) are lent straight out of the ring, no copy
-        lend = self.zero_copy and self._pool is None
+        # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
+        # batches in slots page-locked with cudaHostRegister (copied to the device from there)
+        lend = self.zero_copy
         roles, columns = ds.shards.roles, [None] * k
         clean = False
         try:
@@ -381,8 +410,9 @@ class UserwiseLoader:
                     meta["columns"] = columns[w]
                 meta["roles"] = roles
                 if fresh is not None:
-                    pool.slots[w][slot] = fresh
-                if lend and pool.lent[w] < pool.nslots - 1:  # the worker always keeps one slot
+                    pool.put_slot(w, slot, fresh)
+                if (lend and pool.lent[w] < pool.nslots - 1  # the worker always keeps one slot
+                        and (self._pool is None or (w, slot) in pool.registered)):
                     dst = pool.lend(w, slot, n)
                 else:
                     dst = alloc(n)
@@ -429,14 +459,20 @@ class UserwiseLoader:
             return
         side = torch.cuda.Stream(device=self.device)
         inflight: collections.deque = collections.deque()
+        lent: collections.deque = collections.deque()  # (host batch in a worker's slot, its copy's event)
         for b in host:
+            while lent and lent[0][1].query():  # copied: the slot may go back to its worker
+                lent.popleft()
             if b.device == self.device:  # GDS path: assembled on the device already
                 yield b
                 continue
+            keep = False
             if self.pin:
                 if self._last_pinned:  # assembled (or copied from a worker) straight into the pinned pool
                     pinned = self._last_pinned.pop()
                     src = b
+                elif b.buffer.is_pinned():  # a worker's page-locked slot, lent: copied from where it is
+                    pinned, src, keep = None, b, True
                 else:
                     pinned = self._pool.acquire(b.nbytes)
                     pinned[: b.nbytes].copy_(b.buffer)
@@ -449,6 +485,8 @@ class UserwiseLoader:
                 ev.record(side)
             if pinned is not None:
                 self._pool.release(pinned, ev)
+            if keep:
+                lent.append((b, ev))
             inflight.append((d, ev))
             if len(inflight) > self.prefetch:
                 yield self._ready(*inflight.popleft())
@@ -461,6 +499,22 @@ class UserwiseLoader:
         cur.wait_event(ev)
         d.record_stream(cur)
         return d
+
+
+def _host_register(t: torch.Tensor) -> bool:
+    """Page-lock a host tensor's memory in place (cudaHostRegister); False when refused."""
+    try:
+        rt = torch.cuda.cudart()
+        return rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == rt.cudaError.success
+    except Exception:  # noqa: BLE001 (no driver, old torch)
+        return False
+
+
+def _host_unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 (interpreter shutdown)
+        pass
 
 
 def _full_device(d: torch.device) -> torch.device:
