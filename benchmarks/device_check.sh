@@ -16,7 +16,8 @@
 # project's package-dir does). Wheels in .whl/ (e.g. kvikio-cu13, libkvikio-cu13,
 # rapids-logger for the GDS path) are installed into a scratch folder first.
 # Every step has its own time limit; a failing step does not stop the others.
-# STEPS="env tests" (default: all five) picks steps; BENCH_PROFILES="long" (default
+# STEPS="env tests" (default: all but loader_bench_cuda_copy, the same benchmark with
+# the workers' batches copied into pinned buffers, i.e. zero_copy=False) picks steps; BENCH_PROFILES="long" (default
 # "long short") the loader benchmark's sample-size profiles.
 # Output: OUTDIR/device_check.log and the benchmarks' JSON files.
 set -u
@@ -64,6 +65,8 @@ step tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
 step gpu_check 110 python3 benchmarks/gpu_check.py --cap-s 15 --out "$OUTDIR"
 step loader_bench_cuda 130 python3 benchmarks/loader_bench.py --device cuda --profiles ${BENCH_PROFILES:-long short} --repeats 5 \
     --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cuda.json"
+step loader_bench_cuda_copy 130 python3 benchmarks/loader_bench.py --device cuda --profiles ${BENCH_PROFILES:-long short} \
+    --repeats 5 --workers 1 2 --pointwise-cap-s 3 --zero-copy off --json "$OUTDIR/loader_bench_cuda_copy.json"
 step loader_bench_cpu 130 python3 benchmarks/loader_bench.py --device cpu --profiles ${BENCH_PROFILES:-long short} --repeats 5 \
     --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cpu.json"
 echo "device_check: done" | tee -a "$LOG"

@@ -1,7 +1,7 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
-                                      [--repeats 7] [--device cpu|cuda] [--json out.json] [--plot docs/img/loader_throughput.png]
+                                      [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
@@ -152,11 +152,12 @@ def pointwise_rate(dl, cap_s: float) -> dict:
     return {"impressions_per_s": n / (time.perf_counter() - t), "startup_s": startup}
 
 
-def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu") -> dict:
+def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
+        zero_copy: bool = True) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
     ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device=device, gds=False)
-    ld = UserwiseLoader(ds, num_workers=workers, device=device)
+    ld = UserwiseLoader(ds, num_workers=workers, device=device, zero_copy=zero_copy)
     warm = loader_epoch(ld)  # worker start-up + first decode
     ceil, lds, pairs = [], [], []
     for _ in range(repeats):
@@ -175,7 +176,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     ld_imps = statistics.median(r["impressions"] / r["s"] for r in lds)
     ceil_s = statistics.median(c["s"] for c in ceil)
     return {
-        "workers": workers, "device": device,
+        "workers": workers, "device": device, "zero_copy": zero_copy,
         "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
                    "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
                    "startup_s": max(0.0, warm["s"] - steady)},
@@ -258,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
     p.add_argument("--before", help="an earlier run's --json, drawn next to this one in the plot")
+    p.add_argument("--zero-copy", choices=["on", "off"], default="on",
+                   help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device here")
@@ -310,7 +313,7 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
     for w in a.workers:
-        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device)
+        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on")
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
