@@ -159,3 +159,14 @@ def test_gds_device_mode_refuses_what_it_cannot_do(gdsset, tmp_path):
         UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu", gds="device", verify="none")
     with pytest.raises(ValueError, match="gds must be"):
         UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu", gds="yes", verify="none")
+
+
+def test_gds_without_kvikio_falls_back_or_refuses(gdsset, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kvikio", None)  # import kvikio -> ImportError
+    monkeypatch.setattr(dsmod, "_SAID", set())
+    ds = UserwiseDataset(gdsset, world_size=1, rank=0, device="cuda", gds="auto", verify="none")
+    assert ds.data_path == "parquet"
+    with pytest.raises(ShardError, match="gds='device' needs kvikio"):
+        UserwiseDataset(gdsset, world_size=1, rank=0, device="cuda", gds="device", verify="none")
