@@ -42,6 +42,14 @@ _TORCH = {
 }
 
 
+def full_device(d: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` (as torch's ``.to`` reads it), so it compares equal
+    to a tensor's device."""
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def torch_dtype(np_dtype) -> torch.dtype:
     return _TORCH[np.dtype(np_dtype).name]
 
@@ -138,9 +146,7 @@ class JaggedBatch:
 
     def to(self, device, non_blocking: bool = False) -> "JaggedBatch":
         """One copy of the whole buffer (asynchronous from pinned memory with non_blocking)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())  # as torch's .to reads "cuda"
+        device = full_device(torch.device(device))
         if self.buffer.device == device:
             return self
         return self._with(self.buffer.to(device, non_blocking=non_blocking))

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ..errors import UserwiseError
 from . import segcopy
-from .batch import JaggedBatch
+from .batch import JaggedBatch, full_device
 from .dataset import UserwiseDataset, say_once
 
 
@@ -295,7 +295,7 @@ class UserwiseLoader:
                  pin_memory=None, multiprocessing_context="fork", timeout=600.0, zero_copy=True):
         self.dataset = dataset
         self.num_workers = int(num_workers)
-        self.device = _full_device(torch.device(device) if device is not None else dataset.device)
+        self.device = full_device(torch.device(device) if device is not None else dataset.device)
         self.prefetch = max(1, int(prefetch))
         self.worker_queue = max(1, int(worker_queue))
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -515,13 +515,6 @@ def _host_unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # noqa: BLE001 (interpreter shutdown)
         pass
-
-
-def _full_device(d: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:<current>``, so it compares equal to a tensor's device."""
-    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def _cores() -> int:
