@@ -450,3 +450,52 @@ def test_zero_copy_consumer_holding_every_batch_gets_copies_and_never_stalls(sha
     assert [bytes(b.buffer.numpy()) for b in off] == ref and off._workers.lent == [0, 0]
     ld.close()
     off.close()
+
+
+_HEAP_PROBE = r"""
+import ctypes, resource, sys
+from userwise.pipelines.loader.loader import keep_heap
+if sys.argv[1] == "keep":
+    assert keep_heap()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+MB = 1 << 20
+for r in range(3):  # a decoder's pattern: columns of a few MB (one above glibc's 32 MB cap), written, freed
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    sizes = [7 * MB, 3 * MB, 40 * MB, 5 * MB, 1 * MB] * 2
+    ps = [libc.malloc(n) for n in sizes]
+    for p, n in zip(ps, sizes):
+        ctypes.memset(p, 1, n)
+    for p in ps:
+        libc.free(p)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)  # the third round's page faults
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_keep_freed_buffers_in_the_heap():
+    """Workers decode buffers of the same sizes over and over: after keep_heap() a round of
+    freed blocks comes back without faulting its pages in again (glibc's default unmaps
+    big blocks and trims the heap, so every round faults ~all of its 110 MB in again)."""
+    faults = {m: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, m], capture_output=True, text=True,
+                                    check=True).stdout) for m in ("default", "keep")}
+    pages = (110 << 20) // 4096
+    assert faults["default"] > pages // 2, faults  # the probe sees the refaults it is meant to remove
+    assert faults["keep"] < pages // 20, faults
+
+
+def test_worker_processes_keep_their_heap_the_trainer_does_not(shardset, tmp_path, monkeypatch):
+    from userwise.pipelines.loader import loader as loader_mod
+
+    def mark():
+        (tmp_path / f"keep-{os.getpid()}").touch()
+        return True
+
+    monkeypatch.setattr(loader_mod, "keep_heap", mark)  # forked workers inherit the stand-in
+    ds = UserwiseDataset(shardset, rank=0, world_size=1, batch_size=16)
+    ld = UserwiseLoader(ds, num_workers=2, device="cpu")
+    assert sum(b.num_samples for b in ld) == sum(ds.shards.rg_rows)
+    ld.close()
+    pids = {int(p.name.split("-")[1]) for p in tmp_path.glob("keep-*")}
+    assert len(pids) == 2 and os.getpid() not in pids
