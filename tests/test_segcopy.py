@@ -57,22 +57,33 @@ def test_seg_copy_of_nothing(impl):
     assert (out == 0).all()
 
 
-def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatch):
-    """Whole epochs (strings, validity, long and short lists) assembled with the compiled copy
-    and with numpy's are byte-identical."""
+@pytest.mark.parametrize("run_copy_min", [0, None])
+def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatch, run_copy_min):
+    """Whole epochs (strings, validity, long and short lists) assembled by the compiled batch
+    kernels and by numpy are byte-identical (every list group copied by runs, or the default
+    choice of runs and gathered blocks)."""
     from userwise.pipelines.loader import decode
+
+    assert segcopy.batch_kernels() is not None, "numba is in the loader's extra: the batch kernels must compile"
 
     def epoch(which):
         if which == "numpy":
             monkeypatch.setattr(segcopy, "_IMPL", ("numpy", segcopy._numpy_copy, "test"))
-        monkeypatch.setattr(decode, "RUN_COPY_MIN", 0)  # every list group that can copies by runs
+        if run_copy_min is not None:
+            monkeypatch.setattr(decode, "RUN_COPY_MIN", run_copy_min)
+        calls.clear()
         ds = UserwiseDataset(shardset, batch_size=5, verify="none", world_size=1, rank=0, seed=11)
-        return [(b.spec, b.buffer.clone()) for b in UserwiseLoader(ds)]
+        out = [(b.spec, b.buffer.clone(), b.meta["events"], b.meta["impressions"]) for b in UserwiseLoader(ds)]
+        return out, len(calls)
 
-    compiled, plain = epoch("numba"), epoch("numpy")
+    calls = []
+    compiled_fn = decode.Prepared._assemble_compiled
+    monkeypatch.setattr(decode.Prepared, "_assemble_compiled", lambda *a: calls.append(1) or compiled_fn(*a))
+    (compiled, n_compiled), (plain, n_plain) = epoch("numba"), epoch("numpy")
+    assert n_compiled == len(compiled) and n_plain == 0  # each side took the path it is meant to
     assert len(compiled) == len(plain) > 3
-    for (s1, b1), (s2, b2) in zip(compiled, plain):
-        assert s1 == s2 and torch.equal(b1, b2)
+    for (s1, b1, *m1), (s2, b2, *m2) in zip(compiled, plain):
+        assert s1 == s2 and torch.equal(b1, b2) and m1 == m2
 
 
 def test_without_numba_the_numpy_copy_is_chosen():

@@ -24,6 +24,7 @@ import numpy as np
 log = logging.getLogger("userwise.loader")
 
 _IMPL = None
+_BATCH = None  # the compiled batch kernels (module), when numba compiles them
 _LOCK = threading.Lock()  # the read-ahead thread and the main thread may both make the first call
 _NO_KERNEL: set = set()  # dtypes the compiled kernel does not take: copied as bytes instead
 
@@ -34,6 +35,7 @@ def _numpy_copy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: n
 
 
 def _compile():
+    from . import _segcopy_numba as nb
     from ._segcopy_numba import kernel
     from .decode import _NP  # the dtypes columns decode to (imported here: decode imports this module)
 
@@ -46,7 +48,53 @@ def _compile():
             kernel(np.zeros(2, dt), i, i + 1, np.zeros(2, dt))
         except Exception:  # noqa: BLE001 (a dtype numba lacks, e.g. float16: see seg_copy)
             _NO_KERNEL.add(np.dtype(dt))
+    global _BATCH
+    try:  # the whole-batch kernels (decode.Prepared): compiled now too, for the same reason
+        _warm_batch(nb)
+        _BATCH = nb
+    except Exception as e:  # noqa: BLE001 (assembly then runs in numpy; seg_copy still compiled)
+        log.info("userwise loader: batch kernels unavailable (%s: %s); batches assembled by numpy", type(e).__name__, e)
     return kernel
+
+
+def byte_list(arrays):
+    """A numba typed list of read-only uint8 arrays (the batch kernels' byte sources)."""
+    from numba import types
+    from numba.typed import List
+
+    out = List.empty_list(types.Array(types.uint8, 1, "C", readonly=True))
+    for a in arrays:
+        out.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return out
+
+
+def int_list(arrays):
+    """A numba typed list of read-only int64 arrays (offsets, runs, derived indices)."""
+    from numba import types
+    from numba.typed import List
+
+    out = List.empty_list(types.Array(types.int64, 1, "C", readonly=True))
+    for a in arrays:
+        out.append(np.ascontiguousarray(a, dtype=np.int64).reshape(-1))
+    return out
+
+
+def _warm_batch(nb) -> None:
+    ops = np.array([[nb.OFFS, 0, 0, 0, 8, 0, -1], [nb.VAL, 0, 0, 0, 1, 0, -1], [nb.RUN, 0, 1, 2, 1, -1, -1],
+                    [nb.STR, 0, 1, 0, 1, -1, -1], [nb.SOFF, 0, 1, 0, 8, -1, -1], [nb.SUB, 0, 1, 0, 8, -1, -1]], np.int64)
+    bsrc = byte_list([np.arange(4, dtype=np.uint8)])
+    isrc = int_list([np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([1, 1])])
+    pos, numel = np.zeros(len(ops), np.int64), np.zeros(len(ops), np.int64)
+    total = nb.batch_layout(ops, 0, 1, isrc, 64, pos, numel)
+    nb.batch_fill(np.zeros(max(total, 64), np.uint8), ops, 0, 1, bsrc, isrc, pos, numel, 64, total)
+
+
+def batch_kernels():
+    """The compiled whole-batch kernels (module with ``batch_layout``/``batch_fill``), or None
+    where assembly runs in numpy (numba missing, USERWISE_NO_NUMBA=1, or they failed to compile)."""
+    if _IMPL is None:
+        implementation()
+    return _BATCH if _IMPL[0] == "numba" else None
 
 
 def implementation() -> str:
