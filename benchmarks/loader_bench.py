@@ -2,7 +2,7 @@
 
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
                                       [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
-                                      [--before earlier.json] [--shards DIR]
+                                      [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
    else (``pq.ParquetFile.read_row_group`` over every row group, every column
@@ -153,10 +153,11 @@ def pointwise_rate(dl, cap_s: float) -> dict:
 
 
 def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
-        zero_copy: bool = True) -> dict:
+        zero_copy: bool = True, buffer_row_groups="auto") -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
-    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device=device, gds=False)
+    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device=device, gds=False,
+                         buffer_row_groups=buffer_row_groups)
     ld = UserwiseLoader(ds, num_workers=workers, device=device, zero_copy=zero_copy)
     warm = loader_epoch(ld)  # worker start-up + first decode
     ceil, lds, pairs = [], [], []
@@ -176,7 +177,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     ld_imps = statistics.median(r["impressions"] / r["s"] for r in lds)
     ceil_s = statistics.median(c["s"] for c in ceil)
     return {
-        "workers": workers, "device": device, "zero_copy": zero_copy,
+        "workers": workers, "device": device, "zero_copy": zero_copy, "buffer_row_groups": ds.buffer_row_groups,
         "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
                    "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
                    "startup_s": max(0.0, warm["s"] - steady)},
@@ -261,7 +262,11 @@ def main(argv=None) -> int:
     p.add_argument("--before", help="an earlier run's --json, drawn next to this one in the plot")
     p.add_argument("--zero-copy", choices=["on", "off"], default="on",
                    help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
+    p.add_argument("--buffer-row-groups", default="auto",
+                   help="row groups per shuffle buffer (default: the loader's auto choice)")
     a = p.parse_args(argv)
+    if a.buffer_row_groups != "auto":
+        a.buffer_row_groups = int(a.buffer_row_groups)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device here")
     out = {"profiles": {}}
@@ -313,14 +318,15 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
     for w in a.workers:
-        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on")
+        r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
+                a.buffer_row_groups)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
               f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
               f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
               f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
-              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}",
+              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}; {r['buffer_row_groups']} row groups per buffer",
               flush=True)
     res["loadavg_end"] = os.getloadavg()
     return res

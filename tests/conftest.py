@@ -34,3 +34,15 @@ def spark(tmp_path_factory):
     )
     yield s
     s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _test_sized_shuffle_buffers(monkeypatch):
+    """The tests' shard sets have row groups of 8-30 rows: at the product's target of 4096
+    samples per buffer (buffer_row_groups="auto") every rank would read one buffer, and the
+    tests of buffers split across workers, resumption across buffers and shuffles within
+    buffers would lose their subject. Scaled to the tests' sizes, auto picks 2 row groups
+    (the old default). test_loader.py::test_auto_buffer_size checks the real targets."""
+    from userwise.pipelines.loader import dataset
+
+    monkeypatch.setattr(dataset, "BUFFER_ROWS", 16)

@@ -499,3 +499,27 @@ def test_worker_processes_keep_their_heap_the_trainer_does_not(shardset, tmp_pat
     ld.close()
     pids = {int(p.name.split("-")[1]) for p in tmp_path.glob("keep-*")}
     assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_auto_buffer_size(tmp_path, monkeypatch):
+    """buffer_row_groups="auto" (the default): about 4096 samples per buffer, at least 2 row
+    groups, at most 64 MB decoded by the footers' sizes; an int is taken as given."""
+    from userwise.pipelines.loader import dataset
+
+    monkeypatch.setattr(dataset, "BUFFER_ROWS", 4096)  # the product's values (conftest scales them down)
+    monkeypatch.setattr(dataset, "BUFFER_BYTES", 64 << 20)
+    assert dataset.auto_buffer_row_groups(np.full(10, 2048)) == 2
+    assert dataset.auto_buffer_row_groups(np.full(10, 512)) == 8
+    assert dataset.auto_buffer_row_groups(np.full(10, 30000)) == 2  # big groups: never fewer than 2
+    assert dataset.auto_buffer_row_groups(np.full(10, 512), np.full(10, 16 << 20)) == 4  # the bytes cap
+    root = str(tmp_path / "s")
+    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=128,
+                    sets=(("incremental", "2026-01-04", "2026-01-05", 2048),))
+    ds = UserwiseDataset(root, world_size=1, rank=0, verify="none")
+    assert ds.buffer_row_groups == 32
+    assert max(len(b.rgs) for b in ds.plan().buffers) == 16  # the node's 16 row groups, one buffer
+    assert UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=3).buffer_row_groups == 3
+    with pytest.raises(ValueError, match="buffer_row_groups"):
+        UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=0)
+    monkeypatch.setattr(dataset, "BUFFER_BYTES", int(np.mean(ds.shards.rg_bytes) * 5.5))
+    assert UserwiseDataset(root, world_size=1, rank=0, verify="none").buffer_row_groups == 5

@@ -40,6 +40,21 @@ def dist_rank_world() -> tuple[int, int]:
 
 REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
 
+# buffer_row_groups="auto": row groups per shuffle buffer for about BUFFER_ROWS samples (at least 2),
+# unless that would decode more than BUFFER_BYTES (footer sizes). The work per buffer and column
+# is fixed, so buffers of small row groups were dominated by it (docs/loader.md).
+BUFFER_ROWS = 4096
+BUFFER_BYTES = 64 << 20
+
+
+def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
+    """Row groups per buffer for ``buffer_row_groups="auto"`` from the node's row-group sizes."""
+    rows = float(np.mean(rg_rows)) if len(rg_rows) else 1.0
+    k = max(1, round(BUFFER_ROWS / max(rows, 1.0)))
+    if rg_bytes is not None and len(rg_bytes):
+        k = min(k, max(1, int(BUFFER_BYTES // max(float(np.mean(rg_bytes)), 1.0))))
+    return max(2, k)
+
 
 def _kvikio_compat() -> bool:
     """True when kvikio would read without GPUDirect Storage (no cuFile driver: POSIX reads)."""
@@ -84,7 +99,9 @@ class UserwiseDataset(IterableDataset):
             default from LOCAL_RANK/LOCAL_WORLD_SIZE or torch.distributed, else 0/1.
             A world size other than the manifest's ranks_per_node re-splits by row group.
         seed (int): shuffle seed (default 0); shuffle (bool, default True).
-        buffer_row_groups (int): row groups per shuffle buffer (default 2).
+        buffer_row_groups (int | "auto"): row groups per shuffle buffer. Default "auto":
+            enough for about 4096 samples (at least 2, e.g. 2 of preshard's 2048-row groups,
+            8 of 512-row ones), capped at 64 MB decoded (footer sizes).
         split ("all" | "train" | "eval"): with ``eval_sets`` (held-out set ids or
             kinds) and ``eval_user_share`` (a seeded share of users, by ``eval_seed``).
         columns (list[str] | None): columns to read (default all; the pointer
@@ -101,7 +118,7 @@ class UserwiseDataset(IterableDataset):
     """
 
     def __init__(self, root, *, node=None, sets=None, batch_size=64, token_budget=None, rank=None, world_size=None,
-                 seed=0, shuffle=True, buffer_row_groups=2, split="all", eval_sets=(), eval_user_share=0.0,
+                 seed=0, shuffle=True, buffer_row_groups="auto", split="all", eval_sets=(), eval_user_share=0.0,
                  eval_seed=0, columns=None, verify="checksum", gds="auto", device=None, all_reduce_targets=True):
         super().__init__()
         if token_budget is None and (batch_size is None or batch_size < 1):
@@ -117,7 +134,12 @@ class UserwiseDataset(IterableDataset):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         self.batch_size, self.token_budget = batch_size, token_budget
-        self.seed, self.shuffle, self.buffer_row_groups = int(seed), bool(shuffle), max(1, int(buffer_row_groups))
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        if buffer_row_groups == "auto":
+            buffer_row_groups = auto_buffer_row_groups(self.shards.rg_rows, self.shards.rg_bytes)
+        elif isinstance(buffer_row_groups, str) or int(buffer_row_groups) < 1:
+            raise ValueError(f"buffer_row_groups must be 'auto' or >= 1, got {buffer_row_groups!r}")
+        self.buffer_row_groups = int(buffer_row_groups)
         self.split, self.eval_user_share, self.eval_seed = split, float(eval_user_share), int(eval_seed)
         self.all_reduce_targets = all_reduce_targets
         man = self.shards.manifest

@@ -74,6 +74,7 @@ class NodeShards:
     rg_set: np.ndarray
     rg_rank: np.ndarray
     schema: object = None
+    rg_bytes: np.ndarray | None = None  # uncompressed (decoded) bytes per row group, from the footers
     _cols: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -127,7 +128,7 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
     if not shards:
         raise ShardError(f"{os.path.join(root, MANIFEST)}: no shards for node {node}")
     fp = man["schema_fingerprint"]
-    rg_shard, rg_index, rg_rows, rg_set, rg_rank = [], [], [], [], []
+    rg_shard, rg_index, rg_rows, rg_set, rg_rank, rg_bytes = [], [], [], [], [], []
     schema = None
     for si, s in enumerate(shards):
         path = os.path.join(root, s["path"])
@@ -158,7 +159,9 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
             rg_shard.append(si)
             rg_index.append(i)
             rg_rows.append(md.row_group(i).num_rows)
+            rg_bytes.append(md.row_group(i).total_byte_size)
             rg_set.append(order[s["set"]])
             rg_rank.append(int(s.get("rank", 0)))
     return NodeShards(root, node, man, shards, set_ids, np.array(rg_shard), np.array(rg_index),
-                      np.array(rg_rows, dtype=np.int64), np.array(rg_set), np.array(rg_rank), schema)
+                      np.array(rg_rows, dtype=np.int64), np.array(rg_set), np.array(rg_rank), schema,
+                      np.array(rg_bytes, dtype=np.int64))
