@@ -224,8 +224,10 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
         ax.set(title=title, xlabel="workers")
         ax.legend(fontsize=7, loc="upper left")
     res = series[0][1]
-    fig.suptitle(f"batch {res['batch_size']}, median of {res['repeats']} paired runs, {res['cpus']} shared cores "
-                 "(dashed: targets)", fontsize=9)
+    how = f"median of {res['repeats']} paired runs"
+    if res.get("runs_averaged"):  # several bench runs merged (docs/img/loader_bench.json)
+        how = f"mean of {res['runs_averaged']} runs, each the {how}"
+    fig.suptitle(f"batch {res['batch_size']}, {how}, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
