@@ -49,10 +49,9 @@ BUFFER_BYTES = 64 << 20
 
 def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
     """Row groups per buffer for ``buffer_row_groups="auto"`` from the node's row-group sizes."""
-    rows = float(np.mean(rg_rows)) if len(rg_rows) else 1.0
-    k = max(1, round(BUFFER_ROWS / max(rows, 1.0)))
+    k = round(BUFFER_ROWS / max(float(np.mean(rg_rows)) if len(rg_rows) else 1.0, 1.0))
     if rg_bytes is not None and len(rg_bytes):
-        k = min(k, max(1, int(BUFFER_BYTES // max(float(np.mean(rg_bytes)), 1.0))))
+        k = min(k, int(BUFFER_BYTES // max(float(np.mean(rg_bytes)), 1.0)))
     return max(2, k)
 
 

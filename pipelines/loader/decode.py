@@ -467,10 +467,11 @@ class Prepared:
                 if g != "list":
                     goff[g] = go
                 rows[where[layout_key(g, sub, 0, "", 0)]] = (nb.OFFS, 0, 0, 0, 8, go, -1)
+            runs = None  # the group's runs (shared by its blocks), listed once
             for key, V in blocks:
                 i0 = where[key]
                 if isinstance(V, _Runs):
-                    st, ln = i_(V.starts), i_(V.lengths)
+                    st, ln = runs = runs or (i_(V.starts), i_(V.lengths))
                     for r, v in enumerate(V.arrays):
                         rows[i0 + r] = (nb.RUN, b_(v), st, ln, v.dtype.itemsize, go, -1)
                 else:

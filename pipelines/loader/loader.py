@@ -274,9 +274,10 @@ class UserwiseLoader:
         pin_memory (bool | None): default: when the device is CUDA.
         multiprocessing_context (str): default "fork".
         timeout (float): seconds to wait for one batch before failing (default 600).
-        zero_copy (bool): with workers and host batches (no pinned pool), hand each batch
-            out as a view of the worker's shared-memory slot instead of copying it; the
-            slot is reused once the batch and every view of it are garbage-collected. A
+        zero_copy (bool): with workers, hand each host batch out as a view of the worker's
+            shared-memory slot instead of copying it (on CUDA hosts: copy it to the device
+            straight from the slot, page-locked once with cudaHostRegister); the slot is
+            reused once the batch and every view of it are gone (or its copy completed). A
             consumer that holds on to more than ``worker_queue`` batches of one worker
             gets copies from then on, so the workers never stall. Default True.
 

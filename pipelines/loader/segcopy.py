@@ -57,26 +57,25 @@ def _compile():
     return kernel
 
 
-def byte_list(arrays):
-    """A numba typed list of read-only uint8 arrays (the batch kernels' byte sources)."""
-    from numba import types
+def _typed_list(arrays, dtype):
+    from numba import from_dtype, types
     from numba.typed import List
 
-    out = List.empty_list(types.Array(types.uint8, 1, "C", readonly=True))
+    out = List.empty_list(types.Array(from_dtype(np.dtype(dtype)), 1, "C", readonly=True))
     for a in arrays:
-        out.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        out.append(np.ascontiguousarray(a).reshape(-1).view(dtype) if dtype == np.uint8
+                   else np.ascontiguousarray(a, dtype=dtype).reshape(-1))
     return out
+
+
+def byte_list(arrays):
+    """A numba typed list of read-only uint8 arrays (the batch kernels' byte sources)."""
+    return _typed_list(arrays, np.uint8)
 
 
 def int_list(arrays):
     """A numba typed list of read-only int64 arrays (offsets, runs, derived indices)."""
-    from numba import types
-    from numba.typed import List
-
-    out = List.empty_list(types.Array(types.int64, 1, "C", readonly=True))
-    for a in arrays:
-        out.append(np.ascontiguousarray(a, dtype=np.int64).reshape(-1))
-    return out
+    return _typed_list(arrays, np.int64)
 
 
 def _warm_batch(nb) -> None:

@@ -158,8 +158,9 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
         for i in range(md.num_row_groups):
             rg_shard.append(si)
             rg_index.append(i)
-            rg_rows.append(md.row_group(i).num_rows)
-            rg_bytes.append(md.row_group(i).total_byte_size)
+            rg = md.row_group(i)
+            rg_rows.append(rg.num_rows)
+            rg_bytes.append(rg.total_byte_size)
             rg_set.append(order[s["set"]])
             rg_rank.append(int(s.get("rank", 0)))
     return NodeShards(root, node, man, shards, set_ids, np.array(rg_shard), np.array(rg_index),
