@@ -49,6 +49,13 @@ def test_seg_copy_matches_the_definition(impl, dtype):
     block = np.zeros((3, len(want) + 8), dtype)
     segcopy.seg_copy(src, starts.astype(np.int64), lengths.astype(np.int64), block[1, : len(want)])
     assert block[1, : len(want)].tobytes() == want.tobytes() and not block[[0, 2]].any()
+    # strided ends (a column of a 2-D block, every other element): the block copy cannot take them
+    wide = np.zeros((len(want) + 8, 2), dtype)
+    segcopy.seg_copy(src, starts.astype(np.int64), lengths.astype(np.int64), wide[: len(want), 1])
+    assert wide[: len(want), 1].tobytes() == want.tobytes() and not wide[:, 0].any() and not wide[len(want):].any()
+    got = np.zeros(len(want), dtype)
+    segcopy.seg_copy(src[::-1][::-1].repeat(2)[::2], starts.astype(np.int64), lengths.astype(np.int64), got)
+    assert got.tobytes() == want.tobytes()
 
 
 def test_seg_copy_of_nothing(impl):

@@ -2,22 +2,46 @@
 
 import numba
 import numpy as np
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 # batch program op kinds (decode.Prepared._program builds the table; see batch_fill)
 OFFS, VAL, RUN, STR, SOFF, SUB = 0, 1, 2, 3, 4, 5
 
 
+@intrinsic
+def _memcpy(typingctx, dst, doff, src, soff, n):
+    """dst[doff:doff+n] = src[soff:soff+n] (elements of one dtype, no bounds check) as one
+    ``llvm.memcpy``: libc's block copy. Numba lowers a slice assignment to an element loop
+    (5.6-7 GB/s on 1.6 KB runs here, 1.2 GB/s on 72-byte runs, where this does 21-23 and
+    7.8 GB/s). Pure LLVM IR, so the kernels stay cacheable."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.dtype == src.dtype):
+        return None
+    sig = types.void(dst, types.intp, src, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, do, s, so, m = args
+        da = context.make_array(signature.args[0])(context, builder, d)
+        sa = context.make_array(signature.args[2])(context, builder, s)
+        size = context.get_abi_sizeof(context.get_data_type(dst.dtype))
+        cgutils.raw_memcpy(builder, builder.gep(da.data, [do]), builder.gep(sa.data, [so]), m, size)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @numba.njit(nogil=True, cache=True)
 def kernel(src, starts, lengths, out):  # pragma: no cover (compiled; covered through segcopy.seg_copy)
     d = 0
+    # memcpy needs unit strides (out may be any view; rows of a 2-D block are contiguous)
+    contiguous = src.strides[0] == src.itemsize and out.strides[0] == out.itemsize
     for i in range(starts.shape[0]):
         s = starts[i]
         n = lengths[i]
-        if n < 32:  # short runs (strings, short lists): an element loop beats a slice's set-up
+        if n < 16 or not contiguous:  # a few elements: a loop beats a call
             for k in range(n):
                 out[d + k] = src[s + k]
-        else:  # long runs: a slice assignment, which numba lowers to a block copy
-            out[d: d + n] = src[s: s + n]
+        else:
+            _memcpy(out, d, src, s, n)
         d += n
 
 
@@ -57,23 +81,13 @@ def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compi
 
 @numba.njit(nogil=True, cache=True)
 def _copy(out, d, src, s, m):  # pragma: no cover (compiled)
-    """out[d:d+m] = src[s:s+m] (bytes), in the widest words both ends allow: numba copies a
-    uint8 slice byte by byte (4x slower than int64 words, measured)."""
-    if m < 64:  # short runs: an element loop beats a slice's set-up
+    """out[d:d+m] = src[s:s+m] (bytes): libc's block copy, a byte loop for the shortest runs
+    (and for a strided view, which memcpy cannot take)."""
+    if m < 16 or out.strides[0] != 1 or src.strides[0] != 1:
         for k in range(m):
             out[d + k] = src[s + k]
-        return
-    if ((d | s) & 7) == 0:
-        q = m >> 3 << 3
-        out[d: d + q].view(np.int64)[:] = src[s: s + q].view(np.int64)
-    elif ((d | s) & 3) == 0:
-        q = m >> 2 << 2
-        out[d: d + q].view(np.int32)[:] = src[s: s + q].view(np.int32)
     else:
-        q = m
-        out[d: d + m] = src[s: s + m]
-    for k in range(q, m):
-        out[d + k] = src[s + k]
+        _memcpy(out, d, src, s, m)
 
 
 @numba.njit(nogil=True, cache=True)
