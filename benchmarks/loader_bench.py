@@ -3,6 +3,7 @@
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
                                       [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
+    python benchmarks/loader_bench.py --merge run1.json run2.json --json mean.json [--plot ...] [--before ...]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
    else (``pq.ParquetFile.read_row_group`` over every row group, every column
@@ -23,7 +24,9 @@ per-pair ratios. The point-wise DataLoader is timed from its first batch
 (start-up excluded, ``persistent_workers`` with workers) for ``--pointwise-cap-s``
 seconds per repeat. ``cpu_efficiency`` (ceiling CPU seconds / loader CPU
 seconds, workers included) is a load-independent companion figure. Keep sizes moderate on a shared machine (the defaults are
-about 63 and 12 MB of shards); the ratios are what matters.
+about 63 and 12 MB of shards); the ratios are what matters. ``--merge`` runs
+nothing: it averages earlier runs' JSON (each run's medians, per profile and
+worker count; the pairs of all runs are kept) into one, for ``--json``/``--plot``.
 """
 
 from __future__ import annotations
@@ -266,7 +269,12 @@ def main(argv=None) -> int:
                    help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
     p.add_argument("--buffer-row-groups", default="auto",
                    help="row groups per shuffle buffer (default: the loader's auto choice)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: average these runs' JSON into --json / --plot")
     a = p.parse_args(argv)
+    if a.merge:
+        out = merge([json.load(open(f)) for f in a.merge])
+        return write(out, a)
     if a.buffer_row_groups != "auto":
         a.buffer_row_groups = int(a.buffer_row_groups)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -280,6 +288,10 @@ def main(argv=None) -> int:
             res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
             out["profiles"][prof] = res
     out["loadavg_end"] = os.getloadavg()
+    return write(out, a)
+
+
+def write(out: dict, a) -> int:
     if not a.json:
         print(json.dumps(out, indent=1, default=float))
     else:
@@ -292,6 +304,32 @@ def main(argv=None) -> int:
             series += [(f"before, {p}", r) for p, r in old.get("profiles", {"": old}).items()]
         plot(series, a.plot)
     return 0
+
+
+def merge(runs: list[dict]) -> dict:
+    """The mean of several bench runs of the same profiles and worker counts: every number
+    averaged (a run's medians, rates, CPU ratios); lists (pairs, epoch and pass times)
+    concatenated; ``runs_averaged`` says how many."""
+    def avg(xs):
+        x0 = xs[0]
+        if isinstance(x0, (bool, int, str)) or x0 is None:  # labels and counts: must agree
+            if any(x != x0 for x in xs):
+                raise SystemExit(f"--merge: runs differ in {x0!r} vs {[x for x in xs if x != x0][0]!r}")
+            return x0
+        if isinstance(x0, dict):
+            return {k: avg([x[k] for x in xs]) for k in x0}
+        if isinstance(x0, list):
+            return [y for x in xs for y in x]
+        return statistics.fmean(xs)
+
+    out = {"profiles": {}}
+    for prof in runs[0]["profiles"]:
+        rs = [r["profiles"][prof] for r in runs]
+        res = {k: v for k, v in rs[0].items() if k not in ("runs", "loadavg_start", "loadavg_end")}
+        res["runs"] = [avg([r["runs"][i] for r in rs]) for i in range(len(rs[0]["runs"]))]
+        res["runs_averaged"] = len(rs)
+        out["profiles"][prof] = res
+    return out
 
 
 def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:

@@ -44,3 +44,38 @@ def test_gpu_check_exits_cleanly_without_a_gpu():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no CUDA device" in r.stdout
+
+
+def test_loader_bench_merge_averages_runs(tmp_path):
+    """--merge: the docs' figures are the mean of several runs; counts must agree, numbers average."""
+    import json
+
+    def run(share, cpu, pairs):
+        return {"profiles": {"long": {"profile": "long", "repeats": 2, "batch_size": 128, "cpus": 2,
+                                      "events_per_sample": 200.0, "loadavg_start": [1, 1, 1],
+                                      "runs": [{"workers": 1, "buffer_row_groups": 2, "share_of_ceiling": share,
+                                                "share_of_ceiling_pairs": pairs, "cpu_efficiency": cpu,
+                                                "impressions_vs_pointwise": 100.0,
+                                                "loader": {"samples_per_s": 10.0, "epoch_s": pairs}}]}}}
+    files = []
+    for i, r in enumerate([run(0.6, 0.7, [0.5, 0.7]), run(0.8, 0.9, [0.9, 0.7])]):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    out = tmp_path / "mean.json"
+    bench = os.path.join(REPO, "benchmarks", "loader_bench.py")
+    r = subprocess.run([sys.executable, bench, "--merge", *map(str, files), "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())["profiles"]["long"]
+    assert got["runs_averaged"] == 2
+    (w,) = got["runs"]
+    assert w["workers"] == 1 and w["buffer_row_groups"] == 2
+    assert abs(w["share_of_ceiling"] - 0.7) < 1e-9 and abs(w["cpu_efficiency"] - 0.8) < 1e-9
+    assert w["share_of_ceiling_pairs"] == [0.5, 0.7, 0.9, 0.7]
+    # runs of different worker counts are not averaged into one
+    bad = run(0.6, 0.7, [0.5])
+    bad["profiles"]["long"]["runs"][0]["workers"] = 2
+    files[1].write_text(json.dumps(bad))
+    r = subprocess.run([sys.executable, bench, "--merge", *map(str, files), "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "differ" in r.stderr
