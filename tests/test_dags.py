@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .uwchain import FAST_CONF, ROOT, env_with_spark_bin, shard_digest, synth, table_digest
+from .uwchain import FAST_CONF, ROOT, SUBMIT_JVM, env_with_spark_bin, shard_digest, synth, table_digest
 
 DAG_FOLDER = ROOT / "airflow"
 UTC = dt.timezone.utc
@@ -213,7 +213,7 @@ def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
         f"config: {data}/config.yaml\ninput: {data}/lean\noutput: {tmp_path}/build\nshards: {tmp_path}/shards\n"
         f"py_files: {zip_path}\nnodes: 2\nsensor_poke_seconds: 1\nsensor_timeout_hours: 0.01\nretries: 0\n"
         "spark_conf: {spark.driver.memory: 1g, spark.ui.enabled: 'false', "
-        + ", ".join(f"{k}: '{v}'" for k, v in FAST_CONF.items()) + "}\n")
+        + ", ".join(f"{k}: '{v}'" for k, v in {**FAST_CONF, **SUBMIT_JVM}.items()) + "}\n")
     env = env_with_spark_bin()
     env.update(USERWISE_AIRFLOW_CONFIG=str(cfg), AIRFLOW_HOME=str(airflow_home),
                AIRFLOW__CORE__DAGS_FOLDER=str(DAG_FOLDER), AIRFLOW__CORE__LOAD_EXAMPLES="False",
