@@ -64,6 +64,30 @@ def test_seg_copy_of_nothing(impl):
     assert (out == 0).all()
 
 
+def test_compiled_copies_refuse_ranges_outside_their_arrays():
+    """The compiled copies are memcpy, which checks nothing: a run outside the source or past
+    the output (a corrupt offset) is an error, not a read or write of foreign memory."""
+    assert segcopy.implementation() == "numba"
+    src, one = np.arange(10, dtype=np.int64), np.ones(1, np.int64)
+    for starts, lengths, n_out in (([5], [20], 40), ([-1], [20], 40), ([0], [20], 10)):
+        with pytest.raises(IndexError):
+            segcopy.seg_copy(src, np.array(starts, np.int64), np.array(lengths, np.int64), np.zeros(n_out, np.int64))
+    segcopy.seg_copy(src, 0 * one, 10 * one, np.zeros(10, np.int64))  # exactly fitting is fine
+    nb = segcopy.batch_kernels()
+    ops = np.array([[nb.VAL, 0, 0, 0, 1, -1, -1]], np.int64)  # samples [a, b) of a 1-byte column
+    bsrc, isrc = segcopy.byte_list([np.arange(4, dtype=np.uint8)]), segcopy.int_list([np.zeros(1, np.int64)])
+    pos, numel = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    for b, ok in ((4, True), (10, False)):  # 10 samples of a 4-byte column: past the source
+        total = nb.batch_layout(ops, 0, b, isrc, 64, pos, numel)
+        out = np.zeros(total, np.uint8)
+        if ok:
+            nb.batch_fill(out, ops, 0, b, bsrc, isrc, pos, numel, 64, total)
+            assert out[:4].tolist() == [0, 1, 2, 3]
+        else:
+            with pytest.raises(IndexError):
+                nb.batch_fill(out, ops, 0, b, bsrc, isrc, pos, numel, 64, total)
+
+
 @pytest.mark.parametrize("run_copy_min", [0, None])
 def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatch, run_copy_min):
     """Whole epochs (strings, validity, long and short lists) assembled by the compiled batch

@@ -31,6 +31,13 @@ def _memcpy(typingctx, dst, doff, src, soff, n):
 
 @numba.njit(nogil=True, cache=True)
 def kernel(src, starts, lengths, out):  # pragma: no cover (compiled; covered through segcopy.seg_copy)
+    total = 0
+    for i in range(starts.shape[0]):  # memcpy checks nothing: every run inside src, all of them inside out
+        if starts[i] < 0 or lengths[i] < 0 or starts[i] + lengths[i] > src.shape[0]:
+            raise IndexError("seg_copy: a run lies outside the source")
+        total += lengths[i]
+    if total > out.shape[0]:
+        raise IndexError("seg_copy: the runs do not fit the output")
     d = 0
     # memcpy needs unit strides (out may be any view; rows of a 2-D block are contiguous)
     contiguous = src.strides[0] == src.itemsize and out.strides[0] == out.itemsize
@@ -82,7 +89,10 @@ def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compi
 @numba.njit(nogil=True, cache=True)
 def _copy(out, d, src, s, m):  # pragma: no cover (compiled)
     """out[d:d+m] = src[s:s+m] (bytes): libc's block copy, a byte loop for the shortest runs
-    (and for a strided view, which memcpy cannot take)."""
+    (and for a strided view, which memcpy cannot take). Raises where a range lies outside
+    either array (memcpy checks nothing)."""
+    if s < 0 or d < 0 or m < 0 or s + m > src.shape[0] or d + m > out.shape[0]:
+        raise IndexError("batch_fill: a copy lies outside its source or the batch buffer")
     if m < 16 or out.strides[0] != 1 or src.strides[0] != 1:
         for k in range(m):
             out[d + k] = src[s + k]
