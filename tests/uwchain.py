@@ -20,7 +20,7 @@ FAST_CONF = {"spark.sql.shuffle.partitions": "2", "spark.databricks.delta.snapsh
 # test 191 s instead of 212 s. Longer-lived JVMs keep the defaults: the suite's in-process session
 # was slower with C1 alone (238 vs 178 s on three build tests), a backfill and the cluster's jobs
 # were no faster.
-SUBMIT_JVM = {"spark.driver.extraJavaOptions": "-Dlog4j2.level=warn -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+SUBMIT_JVM = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
 
 
 def synth(dest: Path, days: int = 3) -> Path:
