@@ -88,6 +88,39 @@ def test_compiled_copies_refuse_ranges_outside_their_arrays():
                 nb.batch_fill(out, ops, 0, b, bsrc, isrc, pos, numel, 64, total)
 
 
+def test_string_runs_kernel_matches_the_definition_and_checks_its_ranges():
+    """perm_strings (the shuffle of a group's string columns, one block copy per run and
+    column) against plain Python: empty strings, empty runs, long strings (the memcpy branch),
+    a subset of the runs in another order, a read-only source; out-of-range runs or offsets
+    are an IndexError."""
+    nb = segcopy.batch_kernels()
+    assert nb is not None
+    rng = np.random.default_rng(5)
+    cols = [[("s" * int(k)).encode() for k in rng.choice([0, 1, 3, 40], 30)] for _ in range(3)]
+    data = np.frombuffer(b"".join(b"".join(c) for c in cols), np.uint8)  # read-only, as from Arrow
+    base = np.cumsum([0] + [sum(map(len, c)) for c in cols])
+    soff = np.stack([b + np.concatenate([[0], np.cumsum([len(x) for x in c])]) for b, c in zip(base, cols)])
+    starts, lengths = np.array([20, 0, 7, 29, 12], np.int64), np.array([6, 0, 5, 1, 0], np.int64)
+    elems = [k for s, n in zip(starts, lengths) for k in range(s, s + n)]
+    want = [[cols[c][k] for k in elems] for c in range(3)]
+    out, out_soff = np.empty(len(data), np.uint8), np.empty((3, len(elems) + 1), np.int64)
+    n = nb.perm_strings(data, soff, starts, lengths, out, out_soff)
+    got = [[out[out_soff[c, j]: out_soff[c, j + 1]].tobytes() for j in range(len(elems))] for c in range(3)]
+    assert got == want and n == sum(map(len, sum(want, []))) and out_soff[2, -1] == n
+    e = np.empty(len(elems), np.int64)
+    assert nb.ranges(starts, lengths, e) == len(elems) and e.tolist() == elems
+    bad_off = soff.copy()
+    bad_off[1, 21] = len(data) + 5  # a corrupt string offset pointing past the bytes
+    for args in ((data, soff, np.array([28]), np.array([5]), out, out_soff),  # run past the column
+                 (data, soff, starts, lengths, out[:10], out_soff),  # bytes past the output
+                 (data, soff, starts, lengths, out, out_soff[:, :4]),  # offsets past the output
+                 (data, bad_off, np.array([20]), np.array([2]), out, out_soff)):
+        with pytest.raises(IndexError):
+            nb.perm_strings(*args)
+    with pytest.raises(IndexError):
+        nb.ranges(starts, lengths, e[:3])
+
+
 @pytest.mark.parametrize("run_copy_min", [0, None])
 def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatch, run_copy_min):
     """Whole epochs (strings, validity, long and short lists) assembled by the compiled batch

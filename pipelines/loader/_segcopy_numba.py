@@ -53,6 +53,61 @@ def kernel(src, starts, lengths, out):  # pragma: no cover (compiled; covered th
 
 
 @numba.njit(nogil=True, cache=True)
+def ranges(starts, lengths, out):  # pragma: no cover (compiled; covered through decode.Prepared.permuted)
+    """out = concatenate([arange(s, s + l) for s, l in zip(starts, lengths)]) (the element
+    indexes of runs), in one pass; returns the count written."""
+    d = 0
+    for i in range(starts.shape[0]):
+        s = starts[i]
+        n = lengths[i]
+        if n < 0 or d + n > out.shape[0]:
+            raise IndexError("ranges: the runs do not fit the output")
+        for k in range(n):
+            out[d + k] = s + k
+        d += n
+    return d
+
+
+@numba.njit(nogil=True, cache=True)
+def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cover (compiled; covered through decode)
+    """The string columns of one group, their elements taken run by run: run i is elements
+    starts[i]: starts[i] + lengths[i] of every row of ``soff`` (per column, offsets into the
+    shared bytes ``data``). ``out`` gets column 0's bytes of every run, then column 1's...;
+    ``out_soff[c]`` the offsets of column c's strings into ``out``. A run's strings are
+    adjacent in ``data``, so each (run, column) is one block copy, where a copy per string
+    and numpy's fancy indexing of the offsets cost several times more for short strings.
+    Returns the bytes written."""
+    n = soff.shape[1] - 1
+    contiguous = data.strides[0] == 1 and out.strides[0] == 1
+    pos = 0
+    for c in range(soff.shape[0]):
+        j = 0
+        for i in range(starts.shape[0]):
+            s = starts[i]
+            m = lengths[i]
+            if s < 0 or m < 0 or s + m > n or j + m >= out_soff.shape[1]:
+                raise IndexError("perm_strings: a run lies outside the column or the output")
+            b0 = soff[c, s]
+            b1 = soff[c, s + m]
+            if b0 < 0 or b1 < b0 or b1 > data.shape[0] or pos + (b1 - b0) > out.shape[0]:
+                raise IndexError("perm_strings: a run's bytes lie outside the data or the output")
+            for k in range(m):
+                o = soff[c, s + k]
+                if o < b0 or o > b1:
+                    raise IndexError("perm_strings: a string offset lies outside its run's bytes")
+                out_soff[c, j + k] = pos + o - b0
+            if b1 - b0 < 16 or not contiguous:
+                for k in range(b1 - b0):
+                    out[pos + k] = data[b0 + k]
+            else:
+                _memcpy(out, pos, data, b0, b1 - b0)
+            pos += b1 - b0
+            j += m
+        out_soff[c, j] = pos
+    return pos
+
+
+@numba.njit(nogil=True, cache=True)
 def _range(isrc, g, a, b):  # pragma: no cover (compiled)
     """Element range of samples [a, b) in a group: [a, b) itself for sample columns (g < 0),
     else [off[a], off[b]) of the group's offsets isrc[g]."""

@@ -396,10 +396,12 @@ class Prepared:
         p.__dict__.update(self.__dict__)
         groups = []
         req_e = None
+        nb = segcopy.batch_kernels()
         for g, sub, off, n_slot, blocks, strings, valid in self.groups:
             runs = None
             if off is None:
                 e, new = perm, None
+                st, ln = perm, np.ones(B, np.int64)
             else:
                 st = off[perm]
                 ln = off[perm + 1] - st
@@ -407,6 +409,9 @@ class Prepared:
                 np.cumsum(ln, out=new[1:])
                 if g != "req" and B and new[-1] >= RUN_COPY_MIN * B and not strings and not valid:
                     runs = (st, ln)
+                elif nb is not None:
+                    e = np.empty(int(new[-1]), np.int64)
+                    nb.ranges(st, ln, e)
                 else:
                     e = _np_ranges(st, ln)
                 if g == "req":
@@ -416,7 +421,13 @@ class Prepared:
             else:  # long lists stay where they are: each batch copies its samples' runs (one copy, not two)
                 blocks2 = [(key, _Runs(V, *runs)) for key, V in blocks]
             strings2 = None
-            if strings is not None:
+            if strings is not None and nb is not None:  # compiled: one block copy per (sample, column)
+                bkey, skey, data, soff, first = strings
+                data2 = np.empty(len(data), np.uint8)  # the runs are distinct samples: at most every byte
+                soff2 = np.empty((len(soff), len(e) + 1), np.int64)
+                n = nb.perm_strings(data, soff, st, ln, data2, soff2)
+                strings2 = (bkey, skey, data2[:n], soff2, first)
+            elif strings is not None:
                 bkey, skey, data, soff, first = strings
                 s0 = soff[:, e]
                 sl = soff[:, e + 1] - s0

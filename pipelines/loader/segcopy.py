@@ -86,6 +86,13 @@ def _warm_batch(nb) -> None:
     pos, numel = np.zeros(len(ops), np.int64), np.zeros(len(ops), np.int64)
     total = nb.batch_layout(ops, 0, 1, isrc, 64, pos, numel)
     nb.batch_fill(np.zeros(max(total, 64), np.uint8), ops, 0, 1, bsrc, isrc, pos, numel, 64, total)
+    one = np.ones(1, np.int64)
+    nb.ranges(one, one, np.zeros(1, np.int64))
+    data = np.arange(4, dtype=np.uint8)
+    ro = data.view()
+    ro.flags.writeable = False  # string bytes straight from Arrow are read-only: a type of their own to numba
+    for d in (data, ro):
+        nb.perm_strings(d, np.array([[0, 2, 4]], np.int64), one, one, np.zeros(2, np.uint8), np.zeros((1, 2), np.int64))
 
 
 def batch_kernels():
