@@ -216,6 +216,16 @@ def floor_run(spark, log_path: str, out: str) -> float:
     return time.perf_counter() - t
 
 
+def shuffle_run(spark, log_path: str, out: str, user_col: str, time_col: str) -> float:
+    """A reference, not a target: the floor plus one shuffle of the fat rows by user and a sort
+    within each partition (the least any build that groups a user's rows must do)."""
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    (spark.read.option("basePath", log_path).parquet(log_path)
+     .repartition(user_col).sortWithinPartitions(user_col, time_col).write.mode("overwrite").parquet(out))
+    return time.perf_counter() - t
+
+
 def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:
     from userwise.pipelines.build import build
 
@@ -280,6 +290,8 @@ def plot(res: dict, path: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(sizes, [r["build_s"] for r in res["sizes"]], "o-", label="build")
     a1.plot(sizes, [r["floor_s"] for r in res["sizes"]], "s-", label="floor (read + write Parquet)")
+    if all("shuffle_s" in r for r in res["sizes"]):
+        a1.plot(sizes, [r["shuffle_s"] for r in res["sizes"]], "^-", label="floor + one shuffle by user")
     a1.plot(sizes, [2 * r["floor_s"] for r in res["sizes"]], ":", color="gray", label="target: 2x floor")
     a1.set_xlabel("impressions (fat rows)")
     a1.set_ylabel("seconds")
@@ -366,9 +378,11 @@ def main(argv=None) -> int:
         log_path = os.path.join(d, "log", "fat")
         cfg = C.load(os.path.join(d, "log", "config_fat.yaml"))
         rows_in = sum(s["rows"]["fat"].values())
-        floors, builds, steps, rep = [], [], None, None
+        floors, shuffles, builds, steps, rep = [], [], [], None, None
         for k in range(args.reps):
             floors.append(floor_run(spark, log_path, os.path.join(d, "floor")))
+            shuffles.append(shuffle_run(spark, log_path, os.path.join(d, "shuffle"), cfg.col("user"),
+                                        cfg.col("request_time")))
             st = Steps(spark, ui)
             st.prefix = f"n{n}-r{k}-"
             el, rep = build_run(spark, cfg, log_path, os.path.join(d, "build"), as_of, args.days, st)
@@ -381,6 +395,7 @@ def main(argv=None) -> int:
             "impressions": rows_in, "target": n, "users": s["users"],
             "bot_impressions": None, "floor_s": round(min(floors), 2), "build_s": round(min(builds), 2),
             "floor_all_s": [round(x, 2) for x in floors], "build_all_s": [round(x, 2) for x in builds],
+            "shuffle_s": round(min(shuffles), 2), "shuffle_all_s": [round(x, 2) for x in shuffles],
             "samples": rep["samples"], "requests": rep["requests"], "steps": steps.summary(), "bytes": b,
         }
         import pyarrow.compute as pc
@@ -392,8 +407,9 @@ def main(argv=None) -> int:
         row["build_us_per_imp"] = round(row["build_s"] / rows_in * 1e6, 1)
         row["floor_us_per_imp"] = round(row["floor_s"] / rows_in * 1e6, 1)
         rows.append(row)
-        print(f"  {rows_in:>9,} impressions: floor {row['floor_s']:7.1f} s, build {row['build_s']:7.1f} s, "
-              f"build/floor {row['ratio']:.1f}x", flush=True)
+        row["shuffle_ratio"] = round(row["shuffle_s"] / row["floor_s"], 2)
+        print(f"  {rows_in:>9,} impressions: floor {row['floor_s']:7.1f} s, one shuffle {row['shuffle_s']:7.1f} s, "
+              f"build {row['build_s']:7.1f} s, build/floor {row['ratio']:.1f}x", flush=True)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
 
