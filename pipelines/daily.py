@@ -93,6 +93,8 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     if layout.fat:
         from .fat import fat_events
 
+        # the requests table and the events exploded from its snapshots: aggregated once
+        reqs = reqs.persist(StorageLevel.MEMORY_AND_DISK)
         events = fat_events(cfg, layout, reqs)
     else:
         events = ingest.impression_events(cfg, canon, accepted)
@@ -132,6 +134,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
                      where + (" OR date IS NULL" if start is None else ""),
                      partition_by=("date",), schema=S.QUARANTINE)
     if share > cfg.max_quarantine_share:
+        reqs.unpersist()
         df.unpersist()
         raise QuarantineLimitError(
             f"{rejected} of {considered} input rows ({share:.2%}) were quarantined, above "
@@ -141,6 +144,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
                      schema=S.requests_schema(layout))
     delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
                      schema=S.events_schema(layout))
+    reqs.unpersist()
     df.unpersist()
     return Ingested(layout, counts)
 
