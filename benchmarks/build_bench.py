@@ -209,21 +209,18 @@ def make_log(out: str, impressions: int, days: int, L: int, seed: int, params=No
                  params=params, log=io.StringIO())
 
 
-def floor_run(spark, log_path: str, out: str) -> float:
+def floor_run(spark, log_path: str, out: str, transform=lambda df: df) -> float:
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    spark.read.option("basePath", log_path).parquet(log_path).write.mode("overwrite").parquet(out)
+    transform(spark.read.option("basePath", log_path).parquet(log_path)).write.mode("overwrite").parquet(out)
     return time.perf_counter() - t
 
 
 def shuffle_run(spark, log_path: str, out: str, user_col: str, time_col: str) -> float:
     """A reference, not a target: the floor plus one shuffle of the fat rows by user and a sort
     within each partition (the least any build that groups a user's rows must do)."""
-    shutil.rmtree(out, ignore_errors=True)
-    t = time.perf_counter()
-    (spark.read.option("basePath", log_path).parquet(log_path)
-     .repartition(user_col).sortWithinPartitions(user_col, time_col).write.mode("overwrite").parquet(out))
-    return time.perf_counter() - t
+    return floor_run(spark, log_path, out,
+                     lambda df: df.repartition(user_col).sortWithinPartitions(user_col, time_col))
 
 
 def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:

@@ -78,7 +78,6 @@ def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cove
     and numpy's fancy indexing of the offsets cost several times more for short strings.
     Returns the bytes written."""
     n = soff.shape[1] - 1
-    contiguous = data.strides[0] == 1 and out.strides[0] == 1
     pos = 0
     for c in range(soff.shape[0]):
         j = 0
@@ -96,11 +95,7 @@ def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cove
                 if o < b0 or o > b1:
                     raise IndexError("perm_strings: a string offset lies outside its run's bytes")
                 out_soff[c, j + k] = pos + o - b0
-            if b1 - b0 < 16 or not contiguous:
-                for k in range(b1 - b0):
-                    out[pos + k] = data[b0 + k]
-            else:
-                _memcpy(out, pos, data, b0, b1 - b0)
+            _copy(out, pos, data, b0, b1 - b0)
             pos += b1 - b0
             j += m
         out_soff[c, j] = pos
