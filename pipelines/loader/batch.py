@@ -223,6 +223,7 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [s, s+l) (vectorised: no loop per range)."""
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, np.int64)

@@ -22,7 +22,7 @@ import torch
 
 from .. import gds as gdsmod
 from ..errors import ShardError
-from .batch import ALIGN, JaggedBatch, _ranges, dtype_name, repeat, take, torch_dtype
+from .batch import ALIGN, JaggedBatch, _np_ranges, _ranges, dtype_name, repeat, take, torch_dtype
 from . import segcopy
 from .segcopy import seg_copy
 
@@ -34,6 +34,10 @@ def column_group(name: str, t: pa.DataType) -> str:
     """sample (scalar), seq, req, imp, or list (a list with its own offsets)."""
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
         return "sample"
+    return _list_group(name)
+
+
+def _list_group(name: str) -> str:
     if name.startswith("seq_"):
         return "seq"
     if name.startswith("imp__"):
@@ -216,15 +220,8 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _group_of(name: str, c: Col) -> str:
-    if c.offsets is None:
-        return "sample"
-    if name.startswith("seq_"):
-        return "seq"
-    if name.startswith("imp__"):
-        return "imp"
-    if name.startswith("req__") or name in REQ_LISTS:
-        return "req"
-    return "list"
+    """:func:`column_group` of a decoded column (a list is what has offsets)."""
+    return "sample" if c.offsets is None else _list_group(name)
 
 
 _ESIZE = {t: torch.empty((), dtype=t).element_size() for t in
@@ -246,15 +243,6 @@ def layout_key(group: str, group_sub: int, kind: int, dtype: str, col: int) -> t
     values (1, grouped by dtype), string bytes (2), string offsets (3),
     validity (4), derived indices (5), then the column's position."""
     return (_GRANK[group], group_sub, kind, dtype, col)
-
-
-def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [s, s+l) (vectorised; see batch._np_ranges)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    out_off = np.cumsum(lengths) - lengths
-    return np.repeat(starts - out_off, lengths) + np.arange(total)
 
 
 def _take_rows(arrays: list[np.ndarray], e: np.ndarray) -> np.ndarray:
