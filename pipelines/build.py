@@ -18,7 +18,7 @@ import os
 
 from . import buildmeta, delta_io
 from . import config as C
-from .daily import _d, ingest_range, log, pretrain_samples, window_samples
+from .daily import _d, _log_set, fat_range_samples, ingest_range, log, pretrain_samples, window_samples
 from .errors import UserwiseError
 from .history import History
 
@@ -63,7 +63,10 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     retention = max(pretrain_days, window_days) + 7
     buildmeta.save(output, cfg, layout, retention_days=retention, as_of=T.isoformat(),
                    pretrain_days=pretrain_days, window_days=window_days)
-    sets = [pretrain_samples(spark, cfg, layout, output, boundary)]
+    # Fat rows: every set's stream is its own snapshots, so all sets come from one plan.
+    # Lean rows: a window's stream starts from the history as of its start (day by day).
+    sets = fat_range_samples(spark, cfg, layout, output, boundary, wins) if layout.fat else \
+        [pretrain_samples(spark, cfg, layout, output, boundary)]
     hist = History(spark, cfg, layout, output)
     hist.seed(boundary - dt.timedelta(days=1), retention_days=retention)
     ends = {we: ws for ws, we in wins}
@@ -71,9 +74,14 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     while day < T:
         hist.update(day, retention_days=retention)
         nxt = day + dt.timedelta(days=1)
-        if nxt in ends:
+        if nxt in ends and not layout.fat:
             sets.append(window_samples(spark, cfg, layout, output, ends[nxt], nxt))
         day = nxt
+    if layout.fat:
+        for out, (ws, _) in zip(sets[1:], wins):
+            out["history_version"] = hist.version_before(ws)  # what window_samples would name
+        for out, ws in zip(sets, [None] + [ws for ws, _ in wins]):
+            _log_set(out, ws)
     return report(spark, cfg, layout, input_path, output, ing.counts, sets)
 
 

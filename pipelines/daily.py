@@ -175,31 +175,32 @@ def _samples_for(cfg, layout, events, reqs, kind, ws, we):
     return lean_samples(cfg, layout, events, reqs, kind, ws, we)
 
 
-def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, kind: str, we: dt.date) -> dict:
+def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
+    """Replace the sets ``keys`` ((kind, window_end) each) with ``df`` in one commit; per set,
+    what was written (read back from the files' columns, without Spark)."""
     from .stream import release
 
     path = delta_io.table_path(output, "samples")
+    where = " OR ".join(f"(kind = '{k}' AND window_end = '{we.isoformat()}')" for k, we in keys)
     try:
-        delta_io.replace(df, path, f"kind = '{kind}' AND window_end = '{we.isoformat()}'",
-                         partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
+        delta_io.replace(df, path, where, partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
     finally:
         release()
     import pyarrow.compute as pc
     import pyarrow.dataset as pds
 
     cols = ["num_impressions", "num_requests", "chunk", "cost"]
-    t = delta_io.scan(path, cols, (pds.field("kind") == kind) & (pds.field("window_end") == we))
-    written = {
-        "samples": t.num_rows,
-        "impressions": pc.sum(t["num_impressions"]).as_py() or 0,
-        "requests": pc.sum(t["num_requests"]).as_py() or 0,
-        "extra_chunks": pc.sum(pc.greater(t["chunk"], 0).cast("int64")).as_py() or 0,
-        "max_cost": pc.max(t["cost"]).as_py() or 0,
-    }
-    return {"kind": kind, "window_end": we.isoformat(), "samples": int(written["samples"]),
-            "impressions": int(written["impressions"]), "requests": int(written["requests"]),
-            "extra_chunks": int(written["extra_chunks"]), "max_cost": int(written["max_cost"]),
-            "delta_version": delta_io.version(spark, path)}
+    version = delta_io.version(spark, path)
+    out = []
+    for kind, we in keys:
+        t = delta_io.scan(path, cols, (pds.field("kind") == kind) & (pds.field("window_end") == we))
+        out.append({"kind": kind, "window_end": we.isoformat(), "samples": int(t.num_rows),
+                    "impressions": int(pc.sum(t["num_impressions"]).as_py() or 0),
+                    "requests": int(pc.sum(t["num_requests"]).as_py() or 0),
+                    "extra_chunks": int(pc.sum(pc.greater(t["chunk"], 0).cast("int64")).as_py() or 0),
+                    "max_cost": int(pc.max(t["cost"]).as_py() or 0),
+                    "delta_version": version})
+    return out
 
 
 def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date) -> dict:
@@ -209,12 +210,24 @@ def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bounda
     reqs = _requests(spark, output, None, boundary)
     # The pretrain set spans from the first request day (one value per set: readers group by it),
     # read from the requests table's log rather than by a Spark job.
-    first = min((d for d in delta_io.partition_dates(delta_io.table_path(output, "requests")) if d < boundary),
-                default=boundary)
+    first = _first_day(output, boundary)
     df = _samples_for(cfg, layout, events, reqs, "pretrain", first, boundary)
-    out = _write_samples(spark, output, layout, df, "pretrain", boundary)
-    log(f"pretrain samples before {boundary}: {out['samples']} samples, {out['impressions']} impressions")
+    out = _write_samples(spark, output, layout, df, [("pretrain", boundary)])[0]
+    _log_set(out, None)
     return out
+
+
+def _first_day(output: str, boundary: dt.date) -> dt.date:
+    return min((d for d in delta_io.partition_dates(delta_io.table_path(output, "requests")) if d < boundary),
+               default=boundary)
+
+
+def _log_set(out: dict, ws: dt.date | None) -> None:
+    if out["kind"] == "pretrain":
+        log(f"pretrain samples before {out['window_end']}: {out['samples']} samples, {out['impressions']} impressions")
+    else:
+        log(f"window [{ws}, {out['window_end']}): {out['samples']} samples, {out['impressions']} impressions"
+            + (f" (history version {out['history_version']})" if "history_version" in out else ""))
 
 
 def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
@@ -229,11 +242,29 @@ def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.d
     stream = base.unionByName(own)
     reqs = _requests(spark, output, ws, we)
     df = _samples_for(cfg, layout, stream, reqs, "incremental", ws, we)
-    out = _write_samples(spark, output, layout, df, "incremental", we)
+    out = _write_samples(spark, output, layout, df, [("incremental", we)])[0]
     out["history_version"] = v
-    log(f"window [{ws}, {we}): {out['samples']} samples, {out['impressions']} impressions "
-        f"(history version {v})")
+    _log_set(out, ws)
     return out
+
+
+def fat_range_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date,
+                      wins: list[tuple[dt.date, dt.date]]) -> list[dict]:
+    """Fat rows over a range: the pretrain samples and every window's from one Spark plan and
+    one commit. A fat set's stream is its own requests' snapshots (no history), so nothing
+    here waits for the day before; the rows equal :func:`pretrain_samples` and
+    :func:`window_samples` run one by one (the same :func:`fat.fat_sets`, one set each)."""
+    from .fat import SET, fat_sets
+
+    end = wins[-1][1] if wins else boundary
+    reqs = _requests(spark, output, None, end)
+    sets = [("pretrain", _first_day(output, boundary), boundary)] + [("incremental", ws, we) for ws, we in wins]
+    d = F.col("date")
+    which = F.when(d < F.lit(boundary), F.lit(0))
+    for k, (ws, we) in enumerate(wins):
+        which = which.when((d >= F.lit(ws)) & (d < F.lit(we)), F.lit(k + 1))
+    df = fat_sets(cfg, layout, reqs.withColumn(SET, which), sets)
+    return _write_samples(spark, output, layout, df, [(kind, we) for kind, _, we in sets])
 
 
 # ---------------------------------------------------------------------------

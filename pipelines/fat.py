@@ -1,6 +1,7 @@
 """Fat rows: stitch a user's snapshots into one stream, losslessly.
 
-Per sample set (pretrain, or one window) and user:
+Per sample set (pretrain, or one window; a range build computes all of them in one
+plan, keyed by (user, set)) and user:
 1. each request's snapshot (already proven identical across its impressions)
    is exploded; an event's identity is its full tuple plus its occurrence
    number among equal tuples in the snapshot;
@@ -63,17 +64,31 @@ def stream_order(layout: Layout) -> list[str]:
 
 
 def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_start, window_end) -> DataFrame:
+    """The samples of one set (pretrain, or one window) from its requests."""
+    return fat_sets(cfg, layout, reqs.withColumn(SET, F.lit(0)), [(kind, window_start, window_end)])
+
+
+SET = "_set"
+
+
+def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) -> DataFrame:
+    """The samples of several sets at once: ``reqs`` carries ``_set`` (an index into ``sets``
+    of (kind, window_start, window_end)). A fat set's stream comes from its own requests'
+    snapshots alone (no history), so the sets are independent: every step is keyed by
+    (user, _set), and one Spark plan serves them all. One set is the same code
+    (:func:`fat_samples`), so a range build and the daily jobs give the same rows."""
     roles = _roles(layout)
     fcols = [f"f_{r}" for r in roles]
-    x = explode_snapshots(layout, reqs)
-    ev = x.groupBy("user", *fcols, "occ").agg(F.min(F.struct("req_time", "req_id", "p")).alias("_first"))
+    part = (SET,)
+    x = explode_snapshots(layout, reqs, keep=part)
+    ev = x.groupBy("user", *part, *fcols, "occ").agg(F.min(F.struct("req_time", "req_id", "p")).alias("_first"))
     ev = ev.withColumn("_t", _time_units(layout, cfg, F.col("f_time"))).withColumn("_sk", bucket_of(F.col("_t"), cfg))
     ev = ev.withColumn("_one", F.lit(1))
-    ev = prefix(ev, ["user"], "_sk", [F.col(c).asc_nulls_first() for c in stream_order(layout)],
+    ev = prefix(ev, ["user", *part], "_sk", [F.col(c).asc_nulls_first() for c in stream_order(layout)],
                 sums={"_cum": "_one"})
-    ev = keep(ev.select("user", *fcols, "occ", (F.col("_cum") - 1).alias("idx")))
+    ev = keep(ev.select("user", *part, *fcols, "occ", (F.col("_cum") - 1).alias("idx")))
     # where each snapshot's events sit in the stream
-    j = x.join(ev, on=["user", *fcols, "occ"], how="inner")
+    j = x.join(ev, on=["user", *part, *fcols, "occ"], how="inner")
     per = j.groupBy("user", "req_id", "req_time").agg(
         F.count(F.lit(1)).alias("_n"), F.min("idx").alias("_mn"), F.max("idx").alias("_mx"),
         F.min(F.col("idx") - F.col("p")).alias("_dmin"), F.max(F.col("idx") - F.col("p")).alias("_dmax"))
@@ -94,15 +109,26 @@ def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_
     for sf in layout.seq_fields:
         empty = F.array().cast(T.ArrayType(S.arrow_to_spark(sf.type)))
         r = r.withColumn(f"_ovr_{sf.name}", F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
-    r = assign_chunks(cfg, r)
-    wc = Window.partitionBy("user", "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    r = assign_chunks(cfg, r, part)
+    wc = Window.partitionBy("user", *part, "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     r = (r.withColumn("lo", F.coalesce(F.min("_b").over(wc), F.lit(0)))
           .withColumn("hi", F.coalesce(F.max("_e").over(wc), F.lit(0))))
     r = keep(r)
-    ranges = r.select("user", "chunk", "lo", "hi").distinct()
-    routed = route_events(cfg, ev, ranges)
+    ranges = r.select("user", *part, "chunk", "lo", "hi").distinct()
+    routed = route_events(cfg, ev, ranges, part)
     seq_map = {r_: f"f_{r_}" for r_ in roles}
-    return sample_rows(cfg, layout, routed, r, kind, window_start, window_end, seq_map)
+    kind, ws, we = (_by_set([s_[i] for s_ in sets]) for i in range(3))
+    return sample_rows(cfg, layout, routed, r, kind, ws, we, seq_map, part)
+
+
+def _by_set(values: list):
+    """A set's value as a column over ``_set`` (a literal when there is one set)."""
+    if len(values) == 1:
+        return values[0]
+    c = F.lit(None)
+    for i, v in enumerate(values):
+        c = F.when(F.col(SET) == i, F.lit(v)).otherwise(c)
+    return c
 
 
 def fat_events(cfg: Config, layout: Layout, reqs: DataFrame) -> DataFrame:

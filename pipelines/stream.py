@@ -110,35 +110,40 @@ def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
     return events_idx, req_end
 
 
-def assign_chunks(cfg: Config, reqs: DataFrame) -> DataFrame:
+def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
     """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (null: no slice),
-    _c (own cost), _len (slice length)."""
+    _c (own cost), _len (slice length). Chunks are numbered per (user, *part): ``part``
+    names the sample set where one frame holds several."""
     L, cap = cfg.max_seq_len, cfg.max_sample_cost
     W = max(1, (cap - L) // 2)
     R = max(0, cap - L - W)
     big = ((F.col("_c") > R) | (F.col("_len") > L)).cast("long")
     r = reqs.withColumn("_big", big).withColumn("_sk", bucket_of(F.col("req_time"), cfg))
-    r = keep(prefix(r, ["user"], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
+    r = keep(prefix(r, ["user", *part], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
                     sums={"_ccum": "_c", "_gcum": "_big"}, maxes={"_emax": "_e"}))
     r = r.withColumn("_q", F.coalesce(F.col("_emax"), F.lit(0)) + F.col("_ccum") - F.col("_c"))
     r = (r.withColumn("_k", F.floor(F.col("_q") / F.lit(W)).cast("long"))
           .withColumn("_nb", 1 - F.col("_big")))
-    keys = r.select("user", "_k", "_gcum", "_nb").distinct()
-    wk = Window.partitionBy("user").orderBy("_k", "_gcum", "_nb").rowsBetween(UNB, CUR)
+    keys = r.select("user", *part, "_k", "_gcum", "_nb").distinct()
+    wk = Window.partitionBy("user", *part).orderBy("_k", "_gcum", "_nb").rowsBetween(UNB, CUR)
     keys = keys.withColumn("chunk", (F.row_number().over(wk) - 1).cast("int"))
-    return r.join(keys, on=["user", "_k", "_gcum", "_nb"], how="inner").drop(
+    return r.join(keys, on=["user", *part, "_k", "_gcum", "_nb"], how="inner").drop(
         "_k", "_gcum", "_nb", "_q", "_ccum", "_emax", "_big", "_sk")
 
 
-def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame) -> DataFrame:
-    """Events whose index falls in a chunk's [lo, hi): equi-join on (user, index bucket)."""
+def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
+    """Events whose index falls in a chunk's [lo, hi): equi-join on (user, *part, index bucket)."""
     G = max(1, cfg.max_seq_len)
     cover = ranges.where(F.col("hi") > F.col("lo")).select(
-        "user", "chunk", "lo", "hi",
+        "user", *part, "chunk", "lo", "hi",
         F.explode(F.sequence(F.floor(F.col("lo") / G), F.floor((F.col("hi") - 1) / G))).alias("_ib"))
     ev = events_idx.withColumn("_ib", F.floor(F.col("idx") / G))
-    j = ev.join(cover, on=["user", "_ib"], how="inner")
+    j = ev.join(cover, on=["user", *part, "_ib"], how="inner")
     return j.where((F.col("idx") >= F.col("lo")) & (F.col("idx") < F.col("hi"))).drop("_ib")
+
+
+def _value(v) -> Column:
+    return v if isinstance(v, Column) else F.lit(v)
 
 
 def _field(name: str):
@@ -147,19 +152,21 @@ def _field(name: str):
 
 
 def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: DataFrame,
-                kind: str, window_start: dt.date, window_end: dt.date,
-                seq_map: dict[str, str], overrides: DataFrame | None = None) -> DataFrame:
-    """Assemble one row per (user, chunk) in the samples schema.
+                kind: str | Column, window_start: dt.date | Column | None, window_end: dt.date | Column,
+                seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
+    """Assemble one row per (user, *part, chunk) in the samples schema.
 
     ``reqs``: requests with chunk, lo, _b, _e (slice or null), plus the
     requests table's columns. ``seq_map``: seq field name -> event column.
+    ``kind`` and the window bounds are values, or columns over ``part`` where one
+    frame holds several sample sets.
     """
     req_cols = [f.name for f in layout.request_columns]
     imp_cols = [f.name for f in layout.impression_columns]
     # events -> seq arrays, sorted by index
     ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])
-    seq = events_in_chunks.groupBy("user", "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
-    seq = seq.select("user", "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
+    seq = events_in_chunks.groupBy("user", *part, "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
+    seq = seq.select("user", *part, "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
     # requests -> req arrays (sorted by time, id) and flattened impressions
     begin = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_b") - F.col("lo"))
     end = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_e") - F.col("lo"))
@@ -172,13 +179,13 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
     if layout.fat:
         fields += [F.col("_snap_kind").alias("sk"), F.col("_ovr_len").alias("ol")]
         fields += [F.col(f"_ovr_{sf.name}").alias(f"o{j}") for j, sf in enumerate(layout.seq_fields)]
-    g = reqs.groupBy("user", "chunk").agg(
+    g = reqs.groupBy("user", *part, "chunk").agg(
         F.sort_array(F.collect_list(F.struct(*fields))).alias("_r"),
         F.min("lo").alias("lo"),
         F.max("hi").alias("hi"),
     )
     sel = [
-        "user", "chunk", "lo", "hi",
+        "user", *part, "chunk", "lo", "hi",
         F.col("_r.t").alias("req_time"), F.col("_r.id").alias("req_id"),
         F.col("_r.b").alias("req_seq_begin"), F.col("_r.e").alias("req_seq_end"),
         F.col("_r.n").alias("req_num_imps"),
@@ -200,7 +207,7 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
               for j, sf in enumerate(layout.seq_fields)],
         ]
     r = g.select(*sel)
-    out = r.join(seq, on=["user", "chunk"], how="left")
+    out = r.join(seq, on=["user", *part, "chunk"], how="left")
     seq_types = {sf.name: sf.type for sf in layout.seq_fields}
     for n in seq_map:
         out = out.withColumn(SEQ + n, F.coalesce(F.col(SEQ + n), F.array().cast(
@@ -211,10 +218,10 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
     out = out.select(
         "*",
         F.lit(S.FORMAT_VERSION).alias("format_version"),
-        F.lit(kind).alias("kind"),
-        (F.lit(window_start).cast("date") if window_start is not None
-         else day_of(F.array_min("req_time"), cfg.units_per_second)).alias("window_start"),
-        F.lit(window_end).cast("date").alias("window_end"),
+        _value(kind).alias("kind"),
+        F.coalesce(_value(window_start).cast("date"),
+                   day_of(F.array_min("req_time"), cfg.units_per_second)).alias("window_start"),
+        _value(window_end).cast("date").alias("window_end"),
         F.size("req_time").cast("int").alias("num_requests"),
         n_imps.cast("int").alias("num_impressions"),
         F.size(SEQ + first).cast("int").alias("seq_len"),

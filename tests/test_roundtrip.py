@@ -340,6 +340,39 @@ def test_samples_invariants(case, builder, spark):
         assert snaps[1] == log.planted["overrides"] and snaps[2] == log.planted["null_snapshots"], snaps
 
 
+def test_fat_range_build_sets_equal_the_daily_jobs_one_set_at_a_time(builder, spark, tmp_path):
+    """A fat range build writes the pretrain samples and every window's from one Spark plan
+    and one commit (a fat set's stream is its own snapshots: nothing waits for the day before).
+    The daily jobs (`pretrain`, then `window` per window) write one set at a time, on a copy of
+    the same build. Same rows, heavy user's chunks included."""
+    import shutil
+
+    from userwise.pipelines import config as C
+    from userwise.pipelines import daily
+
+    b = builder("fat", "daily")
+    sets = b.report["sets"]
+    assert [s["kind"] for s in sets] == ["pretrain"] + ["incremental"] * (b.M // b.N)
+    assert len({s["delta_version"] for s in sets}) == 1, sets  # one commit for all the sets
+    copy = tmp_path / "out"
+    shutil.copytree(b.out, copy)
+    cfg = C.parse(b.log.config)
+    T = dt.date.fromisoformat(b.log.as_of)
+    one = [daily.pretrain(spark, cfg, str(copy), T, b.M)]
+    for k in range(b.M // b.N):
+        we = T - dt.timedelta(days=b.M - b.N * (k + 1))
+        one.append(daily.window_day(spark, cfg, str(copy), we - dt.timedelta(days=1), b.N))
+    assert [s["window_end"] for s in one] == [s["window_end"] for s in sets]
+    for a, c in zip(sets, one):
+        assert {k: v for k, v in a.items() if k != "delta_version"} == \
+            {k: v for k, v in c.items() if k != "delta_version"}
+    assert len({s["delta_version"] for s in one}) == len(one)  # the daily jobs: a commit each
+    ranged = read_delta(spark, b.out / "samples").sort("sample_id")
+    daily_rows = read_delta(spark, copy / "samples").sort("sample_id")
+    assert ranged.height == daily_rows.height > 0 and ranged["chunk"].max() > 0
+    assert ranged.equals(daily_rows)
+
+
 def test_build_output_layout(builder):
     b = builder("actions", "both")
     for t in ("samples", "quarantine"):
