@@ -118,7 +118,8 @@ def group_metrics(spark, group: str) -> dict:
 class Steps:
     """Wraps the names pipelines.build calls so that each step is timed under its own job group."""
 
-    NAMES = ("ingest_range", "pretrain_samples", "window_samples", "report")
+    # fat_range_samples: a fat build's sets in one plan (older builds call the other two)
+    NAMES = ("ingest_range", "pretrain_samples", "window_samples", "fat_range_samples", "report")
 
     def __init__(self, spark, ui: bool):
         self.spark, self.ui = spark, ui
@@ -150,7 +151,7 @@ class Steps:
     def installed(self):
         from userwise.pipelines import build as B
 
-        saved = {n: getattr(B, n) for n in self.NAMES}
+        saved = {n: getattr(B, n) for n in self.NAMES if hasattr(B, n)}
         saved["History"] = B.History
         steps = self
 
@@ -161,7 +162,8 @@ class Steps:
             return timed
 
         for n in self.NAMES:
-            setattr(B, n, wrap(n, saved[n]))
+            if n in saved:
+                setattr(B, n, wrap(n, saved[n]))
 
         class TimedHistory(saved["History"]):
             def seed(self, *a, **k):
