@@ -264,6 +264,10 @@ def fat_range_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bound
     for k, (ws, we) in enumerate(wins):
         which = which.when((d >= F.lit(ws)) & (d < F.lit(we)), F.lit(k + 1))
     df = fat_sets(cfg, layout, reqs.withColumn(SET, which), sets)
+    # Every task holds rows of every set: written as they are, each set would get a file per
+    # task (small files, worse compression). AQE's rebalance groups a set's rows and still
+    # splits a large set into files of the advisory size.
+    df = df.hint("rebalance", "kind", "window_end")
     return _write_samples(spark, output, layout, df, [(kind, we) for kind, _, we in sets])
 
 

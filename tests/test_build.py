@@ -197,3 +197,33 @@ def test_years_of_log_build_in_the_same_number_of_jobs(spark, tmp_path, log):
     # fewer jobs than days.
     assert jobs[3] <= jobs[1] * 1.1, jobs
     assert jobs[1] < 365 / 2, jobs
+
+
+def test_synthetic_fat_log_report_storage_ratio_and_one_file_per_set(spark, tmp_path):
+    """On the synthetic fat-row log the report's storage ratio (fat-row bytes as written /
+    user-wise sample bytes) is above 1. A fat range build writes all its sets from one plan;
+    rebalanced by set, a small set is one file, not one file per task and set."""
+    import io
+    import json
+
+    from userwise.pipelines.synth import synth
+
+    syn = tmp_path / "syn"
+    synth(str(syn), days=3, users=40, kinds=("fat",), seed=3, log=io.StringIO())
+    cfg = C.load(str(syn / "config_fat.yaml"))
+    out = tmp_path / "out"
+    # at test sizes AQE would fold every stage into one task, and any write into one file per set
+    key = "spark.sql.adaptive.coalescePartitions.enabled"
+    was = spark.conf.get(key)
+    spark.conf.set(key, "false")
+    try:
+        rep = B.build(spark, cfg, str(syn / "fat"), str(out), "2026-01-04", 2, 1)
+    finally:
+        spark.conf.set(key, was)
+    assert rep["reconciled"] and rep["impressions_in_samples"] > 0
+    assert [(s["kind"], s["window_end"]) for s in rep["sets"]] == [
+        ("pretrain", "2026-01-02"), ("incremental", "2026-01-03"), ("incremental", "2026-01-04")]
+    assert rep["storage_ratio"] > 1, json.dumps({k: rep[k] for k in ("bytes_in", "bytes_out", "storage_ratio")})
+    for s in rep["sets"]:
+        part = out / "samples" / f"kind={s['kind']}" / f"window_end={s['window_end']}"
+        assert len(list(part.glob("*.parquet"))) == 1, sorted(p.name for p in part.iterdir())
