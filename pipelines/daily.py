@@ -266,7 +266,8 @@ def fat_range_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bound
     df = fat_sets(cfg, layout, reqs.withColumn(SET, which), sets)
     # Every task holds rows of every set: written as they are, each set would get a file per
     # task (small files, worse compression). AQE's rebalance groups a set's rows and still
-    # splits a large set into files of the advisory size.
+    # splits a large set into files of the advisory size. (Spark ignores the hint when AQE
+    # is off: then the files are as before, never one task per set.)
     df = df.hint("rebalance", "kind", "window_end")
     return _write_samples(spark, output, layout, df, [(kind, we) for kind, _, we in sets])
 
