@@ -191,9 +191,10 @@ def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: li
 
     cols = ["num_impressions", "num_requests", "chunk", "cost"]
     version = delta_io.version(spark, path)
+    ds = delta_io.dataset(path)  # one read of the Delta log for all the sets
     out = []
     for kind, we in keys:
-        t = delta_io.scan(path, cols, (pds.field("kind") == kind) & (pds.field("window_end") == we))
+        t = ds.to_table(columns=cols, filter=(pds.field("kind") == kind) & (pds.field("window_end") == we))
         out.append({"kind": kind, "window_end": we.isoformat(), "samples": int(t.num_rows),
                     "impressions": int(pc.sum(t["num_impressions"]).as_py() or 0),
                     "requests": int(pc.sum(t["num_requests"]).as_py() or 0),

@@ -76,11 +76,11 @@ def partition_dates(path: str, col: str = "date") -> list:
     return sorted({d for d in dates.to_pylist() if d is not None})
 
 
-def scan(path: str, columns: list[str], filter=None):
-    """Read a few columns of a Delta table with Arrow (no Spark job)."""
+def dataset(path: str):
+    """A Delta table's current version as a pyarrow dataset (delta-rs: no Spark job)."""
     from deltalake import DeltaTable as RsTable
 
-    return RsTable(path).to_pyarrow_dataset().to_table(columns=columns, filter=filter)
+    return RsTable(path).to_pyarrow_dataset()
 
 
 def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = (), schema=None,
