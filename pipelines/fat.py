@@ -93,32 +93,38 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
         F.count(F.lit(1)).alias("_n"), F.min("idx").alias("_mn"), F.max("idx").alias("_mx"),
         F.min(F.col("idx") - F.col("p")).alias("_dmin"), F.max(F.col("idx") - F.col("p")).alias("_dmax"))
     is_slice = (F.col("_n") == F.col("_mx") - F.col("_mn") + 1) & (F.col("_dmin") == F.col("_dmax"))
-    r = reqs.join(per, on=["user", "req_id", "req_time"], how="left")
+    # The pointer and the chunks are worked out on narrow rows (keys and sizes); the wide
+    # columns (impressions, snapshots) join back once, by request, for the samples' groupBy.
     first = F.col(SNAP + roles[0])
-    kind_col = (F.when(first.isNull(), F.lit(2))
-                .when(F.size(first) == 0, F.lit(0))
+    nar = reqs.select("user", *part, "req_id", "req_time", "num_imps",
+                      F.when(first.isNull(), F.lit(-1)).otherwise(F.size(first)).alias("_sn"))
+    r = nar.join(per, on=["user", "req_id", "req_time"], how="left")
+    kind_col = (F.when(F.col("_sn") < 0, F.lit(2))
+                .when(F.col("_sn") == 0, F.lit(0))
                 .when(is_slice, F.lit(0))
                 .otherwise(F.lit(1))).cast("byte")
     r = r.withColumn("_snap_kind", kind_col)
-    slice_ok = (F.col("_snap_kind") == 0) & (F.size(first) > 0)
+    slice_ok = (F.col("_snap_kind") == 0) & (F.col("_sn") > 0)
     r = (r.withColumn("_b", F.when(slice_ok, F.col("_mn")))
           .withColumn("_e", F.when(slice_ok, F.col("_mx") + 1))
           .withColumn("_len", F.coalesce(F.col("_e") - F.col("_b"), F.lit(0)).cast("long"))
-          .withColumn("_ovr_len", F.when(F.col("_snap_kind") == 1, F.size(first)).otherwise(0).cast("int"))
+          .withColumn("_ovr_len", F.when(F.col("_snap_kind") == 1, F.col("_sn")).otherwise(0).cast("int"))
           .withColumn("_c", (F.col("num_imps") + F.col("_ovr_len")).cast("long")))
-    for sf in layout.seq_fields:
-        empty = F.array().cast(T.ArrayType(S.arrow_to_spark(sf.type)))
-        r = r.withColumn(f"_ovr_{sf.name}", F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
     r = assign_chunks(cfg, r, part)
     wc = Window.partitionBy("user", *part, "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     r = (r.withColumn("lo", F.coalesce(F.min("_b").over(wc), F.lit(0)))
           .withColumn("hi", F.coalesce(F.max("_e").over(wc), F.lit(0))))
-    r = keep(r)
+    r = keep(r.select("user", *part, "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e", "_snap_kind", "_ovr_len"))
     ranges = r.select("user", *part, "chunk", "lo", "hi").distinct()
     routed = route_events(cfg, ev, ranges, part)
+    wide = reqs.join(r, on=["user", *part, "req_id", "req_time"], how="inner")
+    for sf in layout.seq_fields:
+        empty = F.array().cast(T.ArrayType(S.arrow_to_spark(sf.type)))
+        wide = wide.withColumn(f"_ovr_{sf.name}",
+                               F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
     seq_map = {r_: f"f_{r_}" for r_ in roles}
     kind, ws, we = (_by_set([s_[i] for s_ in sets]) for i in range(3))
-    return sample_rows(cfg, layout, routed, r, kind, ws, we, seq_map, part)
+    return sample_rows(cfg, layout, routed, wide, kind, ws, we, seq_map, part)
 
 
 def _by_set(values: list):
