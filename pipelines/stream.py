@@ -237,7 +237,9 @@ def lean_samples(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
     """Samples of one set (pretrain, or one window) from a stream and the set's requests."""
     L = cfg.max_seq_len
     events_idx, req_end = index_stream(cfg, layout, events, requests)
-    reqs = requests.join(req_end, on=["user", "req_id", "req_time"], how="inner")
+    # pointers and chunks on narrow rows (keys and sizes); the wide columns join back once
+    reqs = requests.select("user", "req_id", "req_time", "num_imps").join(
+        req_end, on=["user", "req_id", "req_time"], how="inner")
     reqs = (reqs.withColumn("_e", F.col("_seq_end"))
                 .withColumn("_b", F.greatest(F.lit(0).cast("long"), F.col("_e") - F.lit(L)))
                 .withColumn("_len", F.col("_e") - F.col("_b"))
@@ -250,8 +252,9 @@ def lean_samples(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
                 .withColumn("hi", F.coalesce(F.col("hi"), F.lit(0)))
                 .withColumn("_b", F.when(F.col("_len") > 0, F.col("_b")).otherwise(F.col("lo")))
                 .withColumn("_e", F.when(F.col("_len") > 0, F.col("_e")).otherwise(F.col("lo"))))
-    reqs = keep(reqs)
+    reqs = keep(reqs.select("user", "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e"))
     ranges = reqs.select("user", "chunk", "lo", "hi").distinct()
     ev = route_events(cfg, events_idx, ranges)
+    wide = requests.join(reqs, on=["user", "req_id", "req_time"], how="inner")
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
-    return sample_rows(cfg, layout, ev, reqs, kind, window_start, window_end, seq_map)
+    return sample_rows(cfg, layout, ev, wide, kind, window_start, window_end, seq_map)
