@@ -4,6 +4,8 @@ restore-and-replay, chunk caps, and cost that grows with data, not days."""
 from __future__ import annotations
 
 import datetime as dt
+import io
+import json
 import os
 
 import pyarrow as pa
@@ -203,9 +205,6 @@ def test_synthetic_fat_log_report_storage_ratio_and_one_file_per_set(spark, tmp_
     """On the synthetic fat-row log the report's storage ratio (fat-row bytes as written /
     user-wise sample bytes) is above 1. A fat range build writes all its sets from one plan;
     rebalanced by set, a small set is one file, not one file per task and set."""
-    import io
-    import json
-
     from userwise.pipelines.synth import synth
 
     syn = tmp_path / "syn"
