@@ -26,7 +26,10 @@ _LOCAL_DEFAULTS = {
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.databricks.delta.schema.autoMerge.enabled": "false",
-    "spark.driver.extraJavaOptions": "-Dlog4j2.level=warn",
+    # The parallel (throughput) collector instead of G1: a local build is a batch job on
+    # few cores, where G1's concurrent work competes with the tasks. Fat-row build at 852k
+    # rows, three pairs alternating: 41.8 / 38.0 / 40.3 s against 48.3 / 44.1 / 42.7 s with G1.
+    "spark.driver.extraJavaOptions": "-Dlog4j2.level=warn -XX:+UseParallelGC",
 }
 
 _ALWAYS = {
