@@ -523,3 +523,68 @@ def test_auto_buffer_size(tmp_path, monkeypatch):
         UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=0)
     monkeypatch.setattr(dataset, "BUFFER_BYTES", int(np.mean(ds.shards.rg_bytes) * 5.5))
     assert UserwiseDataset(root, world_size=1, rank=0, verify="none").buffer_row_groups == 5
+
+
+def _fail_in_workers(monkeypatch, action):
+    """Workers (forked children, not the trainer) run ``action`` when they read their second
+    buffer; the trainer's own reads (workers=0, reference runs) are left alone."""
+    parent = os.getpid()
+    real = UserwiseDataset.read_buffer
+    calls = collections.Counter()
+
+    def read_buffer(self, rgs):
+        if os.getpid() != parent:
+            calls[os.getpid()] += 1
+            if calls[os.getpid()] == 2:
+                action()
+        return real(self, rgs)
+
+    monkeypatch.setattr(UserwiseDataset, "read_buffer", read_buffer)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_error_reaches_the_trainer_and_the_next_epoch_starts_clean(shardset, monkeypatch, workers):
+    """A worker that raises mid-epoch: the trainer raises it (a ShardError keeps its type and
+    message; anything else comes as a RuntimeError with the worker's traceback), the workers
+    are replaced, and the next iteration yields the whole epoch again."""
+    kw = dict(batch_size=4, seed=2, world_size=1, rank=0, verify="none", device="cpu")
+    ref = [bytes(b.buffer.numpy()) for b in UserwiseLoader(UserwiseDataset(shardset, **kw))]
+
+    def shard_error():
+        raise ShardError("shard-00001.parquet: row group 3 unreadable (stand-in)")
+
+    _fail_in_workers(monkeypatch, shard_error)
+    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers, timeout=60)
+    with pytest.raises(Exception) as e:
+        list(ld)
+    assert type(e.value).__name__ in ("ShardError", "UserwiseError")
+    assert "shard-00001.parquet: row group 3 unreadable (stand-in)" in str(e.value)
+    assert ld._workers is None  # stopped: the next iteration starts fresh workers
+    monkeypatch.undo()
+    ld.set_epoch(0)
+    assert [bytes(b.buffer.numpy()) for b in ld] == ref
+    ld.close()
+
+    def bug():
+        raise ZeroDivisionError("stand-in bug")
+
+    _fail_in_workers(monkeypatch, bug)
+    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers, timeout=60)
+    with pytest.raises(RuntimeError, match=r"(?s)loader worker \d failed:.*ZeroDivisionError: stand-in bug"):
+        list(ld)
+    ld.close()
+
+
+def test_a_worker_that_dies_is_reported_not_waited_for(shardset, monkeypatch):
+    """A worker killed mid-epoch (os._exit: no message, its pipe closes): the trainer says
+    which worker exited, well before its timeout."""
+    import time
+
+    kw = dict(batch_size=4, seed=2, world_size=1, rank=0, verify="none", device="cpu")
+    _fail_in_workers(monkeypatch, lambda: os._exit(7))
+    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2, timeout=120)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"loader worker \d exited \(code 7\)"):
+        list(ld)
+    assert time.monotonic() - t < 60
+    ld.close()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
-import queue as queue_mod
+import pickle
+import struct
 import time
 import traceback
 import weakref
@@ -39,12 +40,12 @@ def shm_alloc(n: int) -> torch.Tensor:
 class _Ring:
     """A worker's ring of reused shared-memory batch buffers.
 
-    The worker writes a batch into a free slot, taken from ``free`` (a queue the
-    trainer puts slot numbers back into once it is done with them: after copying
-    the batch out, or, for a batch lent to the consumer without a copy, once the
-    consumer dropped it). A slot's storage goes to the trainer once (with the
-    first batch that used it, or when it had to grow); afterwards a batch is
-    announced by its slot number alone: no per-batch shared-memory
+    The worker writes a batch into a free slot, whose number it reads from ``free``
+    (a pipe the trainer writes slot numbers back into once it is done with them:
+    after copying the batch out, or, for a batch lent to the consumer without a
+    copy, once the consumer dropped it). A slot's storage goes to the trainer once
+    (with the first batch that used it, or when it had to grow); afterwards a batch
+    is announced by its slot number alone: no per-batch shared-memory
     create/unlink, no file-descriptor passing."""
 
     def __init__(self, nslots: int, free):
@@ -54,7 +55,7 @@ class _Ring:
         self.fresh = None
 
     def alloc(self, n: int) -> torch.Tensor:
-        k = self.k = self.free.get()
+        k = self.k = _SLOT.unpack(self.free.recv_bytes())[0]
         buf = self.slots[k]
         if buf is None or buf.numel() < n:
             buf = self.slots[k] = shm_alloc(max(n, 1) * 5 // 4 + 4096)
@@ -69,8 +70,26 @@ class _Ring:
         return k, fresh
 
 
-def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, free, nslots: int, read_threads: bool = False) -> None:
-    """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next."""
+# a slot number on a free pipe
+_SLOT = struct.Struct("<i")
+
+
+def _send(conn, msg) -> None:
+    """One message on a one-way pipe, pickled in the sending thread. Plain messages go
+    through the standard pickler; one that carries a shared-memory storage (a fresh ring
+    slot) through the multiprocessing pickler, which passes its file descriptor."""
+    if msg[0] == "batch" and msg[3] is not None:
+        conn.send(msg)
+    else:
+        conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+
+def _worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False) -> None:
+    """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next.
+
+    ``cmd``, ``out`` and ``free`` are one-way pipes with one reader and one writer each:
+    messages are pickled and written by the thread that sends them (no feeder thread to
+    hand the GIL to between batches, no lock)."""
     torch.set_num_threads(1)
     keep_heap()
     # Arrow's decode threads only where cores are left over (fewer workers than cores):
@@ -78,7 +97,10 @@ def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, free, nslots: int, re
     ds.read_threads = read_threads
     ring = _Ring(nslots, free)
     while True:
-        msg = cmd.get()
+        try:
+            msg = cmd.recv()
+        except EOFError:  # the trainer is gone
+            return
         if msg is None:
             return
         plan, start, k = msg
@@ -93,10 +115,13 @@ def _worker_main(ds: UserwiseDataset, worker: int, cmd, q, free, nslots: int, re
                     meta.pop("columns")
                 else:
                     last_columns = meta["columns"]
-                q.put(("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
-            q.put(("done", worker))
+                _send(out, ("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
+            _send(out, ("done", worker))
         except BaseException as e:  # noqa: BLE001 (everything goes back to the trainer)
-            q.put(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
+            try:
+                _send(out, ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
+            except OSError:  # the trainer closed the pipe (it stopped the workers)
+                return
 
 
 class _Pool:
@@ -104,12 +129,17 @@ class _Pool:
 
     def __init__(self, ctx, ds, k: int, nslots: int):
         self.k, self.nslots = k, nslots
-        self.cmd = [ctx.SimpleQueue() for _ in range(k)]
-        self.q = [ctx.Queue() for _ in range(k)]
-        self.free = [ctx.SimpleQueue() for _ in range(k)]  # slot numbers the worker may write
+        # one-way pipes per worker: epoch plans in (cmd), batch announcements out (q), slot
+        # numbers the worker may write back in (free); each end is (reader, writer)
+        cmd = [ctx.Pipe(duplex=False) for _ in range(k)]
+        out = [ctx.Pipe(duplex=False) for _ in range(k)]
+        free = [ctx.Pipe(duplex=False) for _ in range(k)]
+        self.cmd = [w for _, w in cmd]
+        self.q = [r for r, _ in out]
+        self.free = [w for _, w in free]
         for f in self.free:
             for slot in range(nslots):
-                f.put(slot)
+                self.give(f, slot)
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
         # batches lent to the consumer without a copy: how many per worker, and the slots
         # their finalizers gave back (a deque append is safe from any thread or GC pass;
@@ -119,10 +149,18 @@ class _Pool:
         self.register = False  # page-lock slots as they arrive (set by the loader on CUDA hosts)
         self.registered: dict[tuple[int, int], int] = {}
         threads = k < _cores()
-        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, self.cmd[w], self.q[w], self.free[w], nslots, threads),
+        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, cmd[w][0], out[w][1], free[w][0], nslots, threads),
                                   daemon=True) for w in range(k)]
         for p in self.procs:
             p.start()
+        for pipes in (cmd, out, free):  # the workers' ends are theirs now
+            for r, w in pipes:
+                (w if pipes is out else r).close()
+
+    @staticmethod
+    def give(conn, slot: int) -> None:
+        """Hand a slot number back to its worker."""
+        conn.send_bytes(_SLOT.pack(slot))
 
     def put_slot(self, w: int, slot: int, storage: torch.Tensor) -> None:
         """Worker w's (new) storage for a slot. With ``register`` (CUDA hosts) it is page-locked
@@ -145,7 +183,7 @@ class _Pool:
         """Give worker w back the slots of lent batches the consumer has dropped."""
         r = self.returned[w]
         while r:
-            self.free[w].put(r.popleft())
+            self.give(self.free[w], r.popleft())
             self.lent[w] -= 1
 
     def lend(self, w: int, slot: int, n: int) -> torch.Tensor:
@@ -174,7 +212,7 @@ class _Pool:
         for c, p in zip(self.cmd, self.procs):
             if graceful and p.is_alive():
                 try:
-                    c.put(None)
+                    c.send(None)
                 except (OSError, ValueError):
                     pass
         for p in self.procs:
@@ -183,9 +221,8 @@ class _Pool:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
-        for q in self.q:
-            q.close()
-            q.cancel_join_thread()
+        for conn in self.cmd + self.q + self.free:
+            conn.close()
 
 
 @dataclass
@@ -390,7 +427,7 @@ class UserwiseLoader:
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
         for w in range(k):
-            pool.cmd[w].put((plan, start, k))
+            pool.cmd[w].send((plan, start, k))
         alloc = self._alloc() or _host_alloc
         # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
         # batches in slots page-locked with cudaHostRegister (copied to the device from there)
@@ -423,7 +460,7 @@ class UserwiseLoader:
                     dst = alloc(n)
                     if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
                         np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
-                    pool.free[w].put(slot)
+                    pool.give(pool.free[w], slot)
                 b = JaggedBatch(dst, spec, meta)
                 _count(b)
                 yield b
@@ -446,16 +483,21 @@ class UserwiseLoader:
             self._workers.close(graceful)
             self._workers = None
 
-    def _get(self, q, proc, w):
+    def _get(self, conn, proc, w):
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                return q.get(timeout=1.0)
-            except queue_mod.Empty:
-                if not proc.is_alive():
-                    raise RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"loader worker {w} sent nothing for {self.timeout:.0f}s")
+                if conn.poll(1.0):
+                    return conn.recv()
+            except (EOFError, OSError):  # its end of the pipe closed, or a slot it sent went with it
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    raise
+                raise RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch") from None
+            if not proc.is_alive():
+                raise RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"loader worker {w} sent nothing for {self.timeout:.0f}s")
 
     def _device_batches(self, host):
         if self.device.type != "cuda":  # host batches (a GDS dataset's come from its device)
