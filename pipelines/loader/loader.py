@@ -16,6 +16,7 @@ import collections
 import ctypes
 import os
 import pickle
+import select
 import struct
 import time
 import traceback
@@ -140,6 +141,11 @@ class _Pool:
         for f in self.free:
             for slot in range(nslots):
                 self.give(f, slot)
+        self.ready = []  # a poll object per announcement pipe (cheaper per batch than Connection.poll)
+        for r in self.q:
+            p = select.poll()
+            p.register(r.fileno(), select.POLLIN)
+            self.ready.append(p)
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
         # batches lent to the consumer without a copy: how many per worker, and the slots
         # their finalizers gave back (a deque append is safe from any thread or GC pass;
@@ -438,7 +444,7 @@ class UserwiseLoader:
             for j in range(start, plan.num_batches):
                 w = int(owner[j])
                 pool.reclaim(w)
-                msg = self._get(pool.q[w], pool.procs[w], w)
+                msg = self._get(pool, w)
                 if msg[0] == "error":
                     if msg[3]:
                         raise UserwiseError(msg[1])
@@ -465,7 +471,7 @@ class UserwiseLoader:
                 _count(b)
                 yield b
             for w in range(k):
-                msg = self._get(pool.q[w], pool.procs[w], w)
+                msg = self._get(pool, w)
                 if msg[0] != "done":
                     raise RuntimeError(f"loader worker {w} sent {msg[:2]} after the last batch of the epoch")
             clean = True
@@ -483,11 +489,13 @@ class UserwiseLoader:
             self._workers.close(graceful)
             self._workers = None
 
-    def _get(self, conn, proc, w):
+    def _get(self, pool, w):
+        """Worker w's next message; fails when the worker exits or stays silent past the timeout."""
+        conn, proc, ready = pool.q[w], pool.procs[w], pool.ready[w]
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                if conn.poll(1.0):
+                if ready.poll(1000):  # readable, or its writer closed
                     return conn.recv()
             except (EOFError, OSError):  # its end of the pipe closed, or a slot it sent went with it
                 proc.join(timeout=5)
