@@ -130,22 +130,7 @@ class _Pool:
 
     def __init__(self, ctx, ds, k: int, nslots: int):
         self.k, self.nslots = k, nslots
-        # one-way pipes per worker: epoch plans in (cmd), batch announcements out (q), slot
-        # numbers the worker may write back in (free); each end is (reader, writer)
-        cmd = [ctx.Pipe(duplex=False) for _ in range(k)]
-        out = [ctx.Pipe(duplex=False) for _ in range(k)]
-        free = [ctx.Pipe(duplex=False) for _ in range(k)]
-        self.cmd = [w for _, w in cmd]
-        self.q = [r for r, _ in out]
-        self.free = [w for _, w in free]
-        for f in self.free:
-            for slot in range(nslots):
-                self.give(f, slot)
-        self.ready = []  # a poll object per announcement pipe (cheaper per batch than Connection.poll)
-        for r in self.q:
-            p = select.poll()
-            p.register(r.fileno(), select.POLLIN)
-            self.ready.append(p)
+        self.cmd, self.q, self.free, self.ready = [], [], [], []
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
         # batches lent to the consumer without a copy: how many per worker, and the slots
         # their finalizers gave back (a deque append is safe from any thread or GC pass;
@@ -155,18 +140,37 @@ class _Pool:
         self.register = False  # page-lock slots as they arrive (set by the loader on CUDA hosts)
         self.registered: dict[tuple[int, int], int] = {}
         threads = k < _cores()
-        self.procs = [ctx.Process(target=_worker_main, args=(ds, w, cmd[w][0], out[w][1], free[w][0], nslots, threads),
-                                  daemon=True) for w in range(k)]
-        for p in self.procs:
+        self.procs = []
+        for w in range(k):
+            # three one-way pipes per worker: epoch plans in, batch announcements out, free slot
+            # numbers in. Each worker's pipes are made just before it starts and the trainer
+            # closes the worker's ends right after, so no other worker inherits them: a worker
+            # that exits closes its ends for good (the trainer sees EOF, not a silent pipe)
+            cmd_r, cmd_w = ctx.Pipe(duplex=False)
+            out_r, out_w = ctx.Pipe(duplex=False)
+            free_r, free_w = ctx.Pipe(duplex=False)
+            for slot in range(nslots):
+                self.give(free_w, slot)
+            p = ctx.Process(target=_worker_main, args=(ds, w, cmd_r, out_w, free_r, nslots, threads), daemon=True)
             p.start()
-        for pipes in (cmd, out, free):  # the workers' ends are theirs now
-            for r, w in pipes:
-                (w if pipes is out else r).close()
+            for c in (cmd_r, out_w, free_r):
+                c.close()
+            self.procs.append(p)
+            self.cmd.append(cmd_w)
+            self.q.append(out_r)
+            self.free.append(free_w)
+            ready = select.poll()  # one poll object per announcement pipe (cheaper per batch than Connection.poll)
+            ready.register(out_r.fileno(), select.POLLIN)
+            self.ready.append(ready)
 
     @staticmethod
     def give(conn, slot: int) -> None:
-        """Hand a slot number back to its worker."""
-        conn.send_bytes(_SLOT.pack(slot))
+        """Hand a slot number back to its worker. A worker that has exited closed its end
+        (BrokenPipeError here): the trainer's next wait on it reports the exit."""
+        try:
+            conn.send_bytes(_SLOT.pack(slot))
+        except OSError:
+            pass
 
     def put_slot(self, w: int, slot: int, storage: torch.Tensor) -> None:
         """Worker w's (new) storage for a slot. With ``register`` (CUDA hosts) it is page-locked
@@ -433,7 +437,10 @@ class UserwiseLoader:
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
         for w in range(k):
-            pool.cmd[w].send((plan, start, k))
+            try:
+                pool.cmd[w].send((plan, start, k))
+            except OSError:  # it exited between epochs: the wait for its first batch reports it
+                pass
         alloc = self._alloc() or _host_alloc
         # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
         # batches in slots page-locked with cudaHostRegister (copied to the device from there)
