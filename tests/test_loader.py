@@ -597,3 +597,14 @@ def test_a_worker_that_dies_is_reported_not_waited_for(shardset, monkeypatch, ho
             time.sleep(0.01)  # the dying worker is gone before the trainer is done with its batches
     assert time.monotonic() - t < 60
     ld.close()
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_started_without_fork_get_their_pipes(shardset, context):
+    """Workers started by spawn or forkserver receive their three pipe ends by pickling (the
+    trainer closes its copies once the worker started): the same batches as without workers."""
+    kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
+    ref = [bytes(b.buffer.numpy()) for b in UserwiseLoader(UserwiseDataset(shardset, **kw))]
+    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2, multiprocessing_context=context, timeout=120)
+    assert [bytes(b.buffer.numpy()) for b in ld] == ref
+    ld.close()
