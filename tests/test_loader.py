@@ -551,27 +551,25 @@ def test_a_worker_error_reaches_the_trainer_and_the_next_epoch_starts_clean(shar
     kw = dict(batch_size=4, seed=2, world_size=1, rank=0, verify="none", device="cpu")
     ref = [bytes(b.buffer.numpy()) for b in UserwiseLoader(UserwiseDataset(shardset, **kw))]
 
-    def shard_error():
-        raise ShardError("shard-00001.parquet: row group 3 unreadable (stand-in)")
+    def epoch_fails(exc, expect, match):
+        def fail():
+            raise exc
 
-    _fail_in_workers(monkeypatch, shard_error)
-    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers, timeout=60)
-    with pytest.raises(UserwiseError, match=r"ShardError: shard-00001\.parquet: row group 3 unreadable \(stand-in\)"):
-        list(ld)
+        _fail_in_workers(monkeypatch, fail)
+        ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers, timeout=60)
+        with pytest.raises(expect, match=match):
+            list(ld)
+        return ld
+
+    ld = epoch_fails(ShardError("shard-00001.parquet: row group 3 unreadable (stand-in)"), UserwiseError,
+                     r"ShardError: shard-00001\.parquet: row group 3 unreadable \(stand-in\)")
     assert ld._workers is None  # stopped: the next iteration starts fresh workers
     monkeypatch.undo()
     ld.set_epoch(0)
     assert [bytes(b.buffer.numpy()) for b in ld] == ref
     ld.close()
-
-    def bug():
-        raise ZeroDivisionError("stand-in bug")
-
-    _fail_in_workers(monkeypatch, bug)
-    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers, timeout=60)
-    with pytest.raises(RuntimeError, match=r"(?s)loader worker \d failed:.*ZeroDivisionError: stand-in bug"):
-        list(ld)
-    ld.close()
+    epoch_fails(ZeroDivisionError("stand-in bug"), RuntimeError,
+                r"(?s)loader worker \d failed:.*ZeroDivisionError: stand-in bug").close()
 
 
 @pytest.mark.parametrize("hold", [True, False])
