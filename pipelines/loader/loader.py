@@ -134,7 +134,7 @@ class _Pool:
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
         # batches lent to the consumer without a copy: how many per worker, and the slots
         # their finalizers gave back (a deque append is safe from any thread or GC pass;
-        # the trainer moves them to the worker's queue before it waits on that worker)
+        # the trainer writes them to the worker's free pipe before it waits on that worker)
         self.lent = [0] * k
         self.returned = [collections.deque() for _ in range(k)]
         self.register = False  # page-lock slots as they arrive (set by the loader on CUDA hosts)
