@@ -149,8 +149,6 @@ class _Pool:
             cmd_r, cmd_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             free_r, free_w = ctx.Pipe(duplex=False)
-            for slot in range(nslots):
-                self.give(free_w, slot)
             p = ctx.Process(target=_worker_main, args=(ds, w, cmd_r, out_w, free_r, nslots, threads), daemon=True)
             p.start()
             for c in (cmd_r, out_w, free_r):
@@ -159,16 +157,17 @@ class _Pool:
             self.cmd.append(cmd_w)
             self.q.append(out_r)
             self.free.append(free_w)
+            for slot in range(nslots):
+                self.give(w, slot)
             ready = select.poll()  # one poll object per announcement pipe (cheaper per batch than Connection.poll)
             ready.register(out_r.fileno(), select.POLLIN)
             self.ready.append(ready)
 
-    @staticmethod
-    def give(conn, slot: int) -> None:
-        """Hand a slot number back to its worker. A worker that has exited closed its end
+    def give(self, w: int, slot: int) -> None:
+        """Hand a slot number back to worker w. A worker that has exited closed its end
         (BrokenPipeError here): the trainer's next wait on it reports the exit."""
         try:
-            conn.send_bytes(_SLOT.pack(slot))
+            self.free[w].send_bytes(_SLOT.pack(slot))
         except OSError:
             pass
 
@@ -193,7 +192,7 @@ class _Pool:
         """Give worker w back the slots of lent batches the consumer has dropped."""
         r = self.returned[w]
         while r:
-            self.give(self.free[w], r.popleft())
+            self.give(w, r.popleft())
             self.lent[w] -= 1
 
     def lend(self, w: int, slot: int, n: int) -> torch.Tensor:
@@ -473,7 +472,7 @@ class UserwiseLoader:
                     dst = alloc(n)
                     if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
                         np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
-                    pool.give(pool.free[w], slot)
+                    pool.give(w, slot)
                 b = JaggedBatch(dst, spec, meta)
                 _count(b)
                 yield b
@@ -499,6 +498,10 @@ class UserwiseLoader:
     def _get(self, pool, w):
         """Worker w's next message; fails when the worker exits or stays silent past the timeout."""
         conn, proc, ready = pool.q[w], pool.procs[w], pool.ready[w]
+
+        def exited():
+            return RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
+
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -508,9 +511,9 @@ class UserwiseLoader:
                 proc.join(timeout=5)
                 if proc.is_alive():
                     raise
-                raise RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch") from None
+                raise exited() from None
             if not proc.is_alive():
-                raise RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
+                raise exited()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"loader worker {w} sent nothing for {self.timeout:.0f}s")
 
