@@ -1,6 +1,6 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
-    python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128] [--workers 0 1 2]
+    python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128 | --token-budget 32768] [--workers 0 1 2]
                                       [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
     python benchmarks/loader_bench.py --merge run1.json run2.json --json mean.json [--plot ...] [--before ...]
@@ -66,7 +66,7 @@ def ceiling(root: str, columns=None) -> dict:
 def cpu_now() -> float:
     """CPU seconds used so far by this process and its children (live workers and reaped ones)."""
     t = os.times()
-    cpu = t.user + t.system + t.children_user + t.children_system
+    cpu = time.process_time() + t.children_user + t.children_system  # this process: finer than os.times' ticks
     try:
         import psutil
 
@@ -156,11 +156,12 @@ def pointwise_rate(dl, cap_s: float) -> dict:
 
 
 def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
-        zero_copy: bool = True, buffer_row_groups="auto") -> dict:
+        zero_copy: bool = True, buffer_row_groups="auto", token_budget: int | None = None) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
-    ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", device=device, gds=False,
-                         buffer_row_groups=buffer_row_groups)
+    size = {"batch_size": batch_size} if token_budget is None else {"token_budget": token_budget}
+    ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", device=device, gds=False,
+                         buffer_row_groups=buffer_row_groups, **size)
     ld = UserwiseLoader(ds, num_workers=workers, device=device, zero_copy=zero_copy)
     warm = loader_epoch(ld)  # worker start-up + first decode
     ceil, lds, pairs = [], [], []
@@ -181,6 +182,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     ceil_s = statistics.median(c["s"] for c in ceil)
     return {
         "workers": workers, "device": device, "zero_copy": zero_copy, "buffer_row_groups": ds.buffer_row_groups,
+        "batches_per_epoch": len(ld),
         "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
                    "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
                    "startup_s": max(0.0, warm["s"] - steady)},
@@ -190,9 +192,13 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
         "share_of_ceiling": statistics.median(pairs),  # samples/s and events/s alike (same data per pass)
         "share_of_ceiling_pairs": pairs,
         # load-independent view: CPU seconds (all processes) per pass, ceiling / loader
-        "cpu_efficiency": statistics.median(c["cpu_s"] for c in ceil) / statistics.median(r["cpu_s"] for r in lds),
+        "cpu_efficiency": _ratio(statistics.median(c["cpu_s"] for c in ceil), statistics.median(r["cpu_s"] for r in lds)),
         "impressions_vs_pointwise": ld_imps / pw_rate,
     }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None  # a run too short for the CPU clocks' resolution
 
 
 def plot(series: list[tuple[str, dict]], path: str) -> None:
@@ -230,7 +236,8 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
     how = f"median of {res['repeats']} paired runs"
     if res.get("runs_averaged"):  # several bench runs merged (docs/img/loader_bench.json)
         how = f"mean of {res['runs_averaged']} runs, each the {how}"
-    fig.suptitle(f"batch {res['batch_size']}, {how}, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
+    size = f"token budget {res['token_budget']}" if res.get("token_budget") else f"batch {res['batch_size']}"
+    fig.suptitle(f"{size}, {how}, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -252,6 +259,9 @@ def main(argv=None) -> int:
                    help="samples per profile (default: 32000 long, 40000 short: about 63 and 12 MB of shards)")
     p.add_argument("--profiles", nargs="+", default=["long", "short"], choices=sorted(PROFILES))
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--token-budget", type=int,
+                   help="cut the loader's batches by this many tokens (events + impressions) instead of --batch-size "
+                        "samples (the point-wise loader keeps --batch-size rows)")
     p.add_argument("--row-group-rows", type=int, default=2048, help="rows per row group (default: preshard's)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--repeats", type=int, default=7)
@@ -351,7 +361,8 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     for _ in range(2):  # warm the page cache for everyone
         ceiling(root)
     samples = sum(s["rows"] for s in man["shards"])
-    res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "repeats": a.repeats,
+    res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "token_budget": a.token_budget,
+           "repeats": a.repeats,
            "events_per_sample": sum(s["events"] for s in man["shards"]) / samples,
            "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(), "device": a.device,
            "loadavg_start": os.getloadavg(), "runs": []}
@@ -359,14 +370,15 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
     for w in a.workers:
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
-                a.buffer_row_groups)
+                a.buffer_row_groups, a.token_budget)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
               f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
               f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
               f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
-              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}; {r['buffer_row_groups']} row groups per buffer",
+              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}; {r['buffer_row_groups']} row groups per buffer; "
+              f"{r['batches_per_epoch']} batches per epoch",
               flush=True)
     res["loadavg_end"] = os.getloadavg()
     return res

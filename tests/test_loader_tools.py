@@ -79,3 +79,24 @@ def test_loader_bench_merge_averages_runs(tmp_path):
     r = subprocess.run([sys.executable, bench, "--merge", *map(str, files), "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "differ" in r.stderr
+
+
+def test_loader_bench_runs_with_a_token_budget(tmp_path):
+    """A tiny real run of the benchmark, batches cut by tokens: it reports the budget and the
+    loader's own batch count for it (the docs compare batch 128 with a token budget)."""
+    import json
+
+    from userwise.pipelines.loader import UserwiseDataset
+
+    out, shards = tmp_path / "bench.json", tmp_path / "shards"
+    bench = os.path.join(REPO, "benchmarks", "loader_bench.py")
+    r = subprocess.run([sys.executable, bench, "--profiles", "short", "--samples", "300", "--pointwise-samples", "60",
+                        "--repeats", "1", "--workers", "0", "--token-budget", "500", "--pointwise-cap-s", "0.2",
+                        "--shards", str(shards), "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())["profiles"]["short"]
+    assert got["token_budget"] == 500 and got["samples"] == 300
+    (run,) = got["runs"]
+    want = len(UserwiseDataset(str(shards / "short"), token_budget=500, world_size=1, rank=0, verify="none"))
+    assert run["batches_per_epoch"] == want > 300 * 9 // 500
+    assert run["share_of_ceiling"] > 0 and run["impressions_vs_pointwise"] > 0
