@@ -377,7 +377,7 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
               f"(target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['share_of_ceiling_pairs'])}); "
               f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
               f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
-              f"CPU s ceiling/loader {r['cpu_efficiency']:.2f}; {r['buffer_row_groups']} row groups per buffer; "
+              f"CPU s ceiling/loader {r['cpu_efficiency'] or float('nan'):.2f}; {r['buffer_row_groups']} row groups per buffer; "
               f"{r['batches_per_epoch']} batches per epoch",
               flush=True)
     res["loadavg_end"] = os.getloadavg()
