@@ -130,7 +130,7 @@ class _Pool:
 
     def __init__(self, ctx, ds, k: int, nslots: int):
         self.k, self.nslots = k, nslots
-        self.cmd, self.q, self.free, self.ready = [], [], [], []
+        self.cmd, self.out, self.free, self.ready = [], [], [], []
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]
         # batches lent to the consumer without a copy: how many per worker, and the slots
         # their finalizers gave back (a deque append is safe from any thread or GC pass;
@@ -155,7 +155,7 @@ class _Pool:
                 c.close()
             self.procs.append(p)
             self.cmd.append(cmd_w)
-            self.q.append(out_r)
+            self.out.append(out_r)
             self.free.append(free_w)
             for slot in range(nslots):
                 self.give(w, slot)
@@ -230,7 +230,7 @@ class _Pool:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
-        for conn in self.cmd + self.q + self.free:
+        for conn in self.cmd + self.out + self.free:
             conn.close()
 
 
@@ -497,7 +497,7 @@ class UserwiseLoader:
 
     def _get(self, pool, w):
         """Worker w's next message; fails when the worker exits or stays silent past the timeout."""
-        conn, proc, ready = pool.q[w], pool.procs[w], pool.ready[w]
+        conn, proc, ready = pool.out[w], pool.procs[w], pool.ready[w]
 
         def exited():
             return RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
