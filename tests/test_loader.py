@@ -6,8 +6,11 @@ import collections
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -356,6 +359,64 @@ def test_shard_reads_allocate_from_the_system_pool_and_leave_the_default_alone(s
     before = pa.system_memory_pool().bytes_allocated()
     t = f.read_row_groups([0])
     assert t.num_rows > 0 and pa.system_memory_pool().bytes_allocated() > before
+
+
+def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(shardset, monkeypatch):
+    """A process that decodes alone reads READ_LANES buffers ahead, each on its own thread with
+    its own file handles (a ParquetFile is never read from two threads), while the caller
+    shuffles and cuts: same batches as without read-ahead, a read's error reaches the consumer
+    after the batches before it, no read outlives an epoch stopped early, and the dataset still
+    pickles (spawned workers) after its lanes started."""
+    from userwise.pipelines.loader import dataset as dsm
+
+    kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
+    ds = UserwiseDataset(shardset, **kw)
+    bufs = ds.plan(0).buffers
+    assert len(bufs) > dsm.READ_LANES + 1  # more buffers than lanes: reads run ahead and overlap
+    want = [bytes(b.buffer.numpy()) for b in ds.batches(epoch=0, read_ahead=False)]
+    lock, readers, active, most = threading.Lock(), collections.defaultdict(set), [0], [0]
+    read = pq.ParquetFile.read_row_groups
+
+    def spy(self, *a, **k):
+        with lock:
+            readers[id(self)].add(threading.get_ident())
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.02)  # long enough for the lanes' reads to overlap
+            return read(self, *a, **k)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
+    readers.clear()
+    assert [bytes(b.buffer.numpy()) for b in ds.batches(epoch=0, read_ahead=True)] == want
+    assert most[0] == dsm.READ_LANES
+    assert all(len(t) == 1 for t in readers.values())  # one thread per handle
+    lanes = set().union(*readers.values())
+    assert len(lanes) == dsm.READ_LANES and threading.get_ident() not in lanes
+    # stopped after the first batch: nothing still reads once the generator is closed
+    g = ds.batches(epoch=0, read_ahead=True)
+    next(g)
+    g.close()
+    assert active[0] == 0
+    pickle.dumps(ds)
+    # a read that fails: the batches of the buffers before it, then its error
+    rb = UserwiseDataset.read_buffer
+
+    def fail_third(self, rgs):
+        if list(rgs) == list(bufs[2].rgs):
+            raise ShardError("shard-00000.parquet: row group 5 unreadable (stand-in)")
+        return rb(self, rgs)
+
+    monkeypatch.setattr(UserwiseDataset, "read_buffer", fail_third)
+    got = []
+    with pytest.raises(ShardError, match="stand-in"):
+        for b in ds.batches(epoch=0, read_ahead=True):
+            got.append(bytes(b.buffer.numpy()))
+    assert got == want[: bufs[0].num_batches + bufs[1].num_batches]
+    assert active[0] == 0
 
 
 class _Event:

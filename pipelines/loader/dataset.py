@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +21,12 @@ from .shards import NodeShards, open_node
 
 log = logging.getLogger("userwise.loader")
 _SAID: set[str] = set()
+
+# Buffers a process that decodes alone reads ahead, each on its own thread (a "lane"), while the
+# calling thread shuffles and cuts the current one. With one lane the read of the next buffer was
+# the whole critical path and left part of two cores idle; see docs/loader.md (Memory path).
+READ_LANES = 2
+_POOL_SWAP = threading.Lock()
 
 
 def say_once(msg: str) -> None:
@@ -71,13 +79,16 @@ def open_parquet(path: str, memory_map: bool = True) -> pq.ParquetFile:
     next one is read; with mimalloc that pattern made the same read 10-70% slower from one
     epoch to the next (freed segments given back to the OS and faulted in again), with
     malloc it reads as fast as a plain pass. A reader takes its pool when it is opened, so
-    the default is swapped only for that moment."""
-    old = pa.default_memory_pool()
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
-        return pq.ParquetFile(path, memory_map=memory_map)
-    finally:
-        pa.set_memory_pool(old)
+    the default is swapped only for that moment (under a lock: read-ahead lanes open files
+    from their own threads, and two overlapping swaps could leave the system pool as the
+    process's default)."""
+    with _POOL_SWAP:
+        old = pa.default_memory_pool()
+        pa.set_memory_pool(pa.system_memory_pool())
+        try:
+            return pq.ParquetFile(path, memory_map=memory_map)
+        finally:
+            pa.set_memory_pool(old)
 
 
 class UserwiseDataset(IterableDataset):
@@ -289,19 +300,29 @@ class UserwiseDataset(IterableDataset):
         return cols
 
     def _file(self, shard: int) -> pq.ParquetFile:
-        """The open shard file, kept per process (footer parsed once, not per row group)."""
+        """The open shard file, kept per process and thread (footer parsed once, not per row
+        group; a ParquetFile is not read from two threads at once)."""
         pid = os.getpid()
         if getattr(self, "_files_pid", None) != pid:  # after fork: own handles
             self._files, self._files_pid = {}, pid
-        f = self._files.get(shard)
+        key = (threading.get_ident(), shard)
+        f = self._files.get(key)
         if f is None:
-            f = self._files[shard] = open_parquet(self.shards.path(shard), self.memory_map)
+            f = self._files[key] = open_parquet(self.shards.path(shard), self.memory_map)
         return f
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        """This process's read-ahead lanes, started once (so each keeps its file handles)."""
+        pid = os.getpid()
+        if getattr(self, "_pool_pid", None) != pid:  # after fork the parent's threads are gone
+            self._pool = ThreadPoolExecutor(READ_LANES, thread_name_prefix="userwise-read")
+            self._pool_pid = pid
+        return self._pool
 
     def __getstate__(self):
         st = dict(self.__dict__)
-        st.pop("_files", None)
-        st.pop("_files_pid", None)
+        for k in ("_files", "_files_pid", "_pool", "_pool_pid"):
+            st.pop(k, None)
         return st
 
     def _read_gds(self, rgs) -> dict:
@@ -343,8 +364,8 @@ class UserwiseDataset(IterableDataset):
         in epoch order, skipping batches before ``start`` (epoch index).
 
         ``read_ahead`` (default: when this process decodes alone, ``num_workers <= 1``):
-        a thread reads and shuffles the next buffer while this one's batches are cut
-        (Arrow and numpy release the GIL, so it overlaps on a second core)."""
+        ``READ_LANES`` threads read the next buffers, one each, while this thread shuffles
+        and cuts the current one (Arrow, numpy and the compiled kernels release the GIL)."""
         plan = self.plan(epoch)
         alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         firsts = plan.first_batch()
@@ -353,17 +374,14 @@ class UserwiseDataset(IterableDataset):
                 if i % max(1, num_workers) == worker and int(firsts[i]) + buf.num_batches > start]
         if read_ahead is None:
             read_ahead = num_workers <= 1 and self.data_path != "gds"
-        pool = None
-        if read_ahead and len(mine) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(1, thread_name_prefix="userwise-read")
+        pool = self._read_pool() if read_ahead and len(mine) > 1 else None
+        ahead: list = []  # reads in flight, in buffer order
         try:
-            nxt = pool.submit(self._load, mine[0][1]) if pool and mine else None
             for n, (i, buf) in enumerate(mine):
-                if nxt is not None:
-                    src = nxt.result()
-                    nxt = pool.submit(self._load, mine[n + 1][1]) if n + 1 < len(mine) else None
+                if pool is not None:
+                    while len(ahead) < READ_LANES and n + len(ahead) < len(mine):
+                        ahead.append(pool.submit(self._read, mine[n + len(ahead)][1]))
+                    src = self._prepared(buf, ahead.pop(0).result())
                 else:
                     src = self._load(buf)
                 j0 = int(firsts[i])
@@ -379,18 +397,29 @@ class UserwiseDataset(IterableDataset):
                         yield src.assemble_range(a, b, alloc, meta)
                     else:
                         yield self.gather(src, buf.perm[a:b], alloc, meta)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        finally:  # stopped early (break, error): no read of this epoch outlives it
+            for f in ahead:
+                f.cancel()
+            for f in ahead:
+                if not f.cancelled():
+                    f.exception()  # waits; its error, if any, no longer matters
 
-    def _load(self, buf):
-        """Read one buffer; host columns come back shuffled (each batch is then a contiguous range)."""
-        if not len(buf.rgs):
+    def _read(self, buf):
+        return self.read_buffer(buf.rgs) if len(buf.rgs) else None
+
+    def _prepared(self, buf, cols):
+        """Read columns laid out for batches; host columns come back shuffled (each batch is
+        then a contiguous range)."""
+        if cols is None:
             return None
-        src = self.prepare(self.read_buffer(buf.rgs))
+        src = self.prepare(cols)
         if isinstance(src, decode.Prepared):
             src = src.permuted(buf.perm)
         return src
+
+    def _load(self, buf):
+        """Read one buffer and lay it out (:meth:`_read`, then :meth:`_prepared`)."""
+        return self._prepared(buf, self._read(buf))
 
     @staticmethod
     def prepare(cols: dict):
