@@ -38,9 +38,9 @@ jars: $(STAMP)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 # Two pytest-xdist workers, a test file per worker at a time (module fixtures such as a
-# chain of daily runs or a standalone cluster are built once): run one after the other,
-# the Spark tests leave a quarter of two cores idle (JVM start-ups, small jobs), and the
-# suite takes 18 minutes instead of 14. TEST_WORKERS=0 runs everything in one process.
+# chain of daily runs or a standalone cluster are built once). In one process the Spark
+# tests left a quarter of two cores idle (JVM start-ups, small jobs): 18 minutes, against
+# 14 with two workers. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: setup
 	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \

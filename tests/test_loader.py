@@ -390,7 +390,6 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
                 active[0] -= 1
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
-    readers.clear()
     assert [bytes(b.buffer.numpy()) for b in ds.batches(epoch=0, read_ahead=True)] == want
     assert most[0] == dsm.READ_LANES
     assert all(len(t) == 1 for t in readers.values())  # one thread per handle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -26,7 +27,6 @@ _SAID: set[str] = set()
 # calling thread shuffles and cuts the current one. With one lane the read of the next buffer was
 # the whole critical path and left part of two cores idle; see docs/loader.md (Memory path).
 READ_LANES = 2
-_POOL_SWAP = threading.Lock()
 
 
 def say_once(msg: str) -> None:
@@ -71,6 +71,9 @@ def _kvikio_compat() -> bool:
         return bool(kvikio.defaults.is_compat_mode_preferred())
     except AttributeError:  # pragma: no cover (older kvikio)
         return bool(kvikio.defaults.compat_mode())
+
+
+_POOL_SWAP = threading.Lock()  # open_parquet's swap of the process-wide default pool
 
 
 def open_parquet(path: str, memory_map: bool = True) -> pq.ParquetFile:
@@ -375,15 +378,16 @@ class UserwiseDataset(IterableDataset):
         if read_ahead is None:
             read_ahead = num_workers <= 1 and self.data_path != "gds"
         pool = self._read_pool() if read_ahead and len(mine) > 1 else None
-        ahead: list = []  # reads in flight, in buffer order
+        ahead: collections.deque = collections.deque()  # reads in flight, in buffer order
         try:
             for n, (i, buf) in enumerate(mine):
                 if pool is not None:
                     while len(ahead) < READ_LANES and n + len(ahead) < len(mine):
                         ahead.append(pool.submit(self._read, mine[n + len(ahead)][1]))
-                    src = self._prepared(buf, ahead.pop(0).result())
+                    cols = ahead.popleft().result()
                 else:
-                    src = self._load(buf)
+                    cols = self._read(buf)
+                src = self._prepared(buf, cols)
                 j0 = int(firsts[i])
                 for k in range(buf.num_batches):
                     j = j0 + k
@@ -405,6 +409,7 @@ class UserwiseDataset(IterableDataset):
                     f.exception()  # waits; its error, if any, no longer matters
 
     def _read(self, buf):
+        """One buffer's columns as read (None for a buffer without row groups)."""
         return self.read_buffer(buf.rgs) if len(buf.rgs) else None
 
     def _prepared(self, buf, cols):
@@ -416,10 +421,6 @@ class UserwiseDataset(IterableDataset):
         if isinstance(src, decode.Prepared):
             src = src.permuted(buf.perm)
         return src
-
-    def _load(self, buf):
-        """Read one buffer and lay it out (:meth:`_read`, then :meth:`_prepared`)."""
-        return self._prepared(buf, self._read(buf))
 
     @staticmethod
     def prepare(cols: dict):
