@@ -27,6 +27,12 @@ _SAID: set[str] = set()
 # calling thread shuffles and cuts the current one. With one lane the read of the next buffer was
 # the whole critical path and left part of two cores idle; see docs/loader.md (Memory path).
 READ_LANES = 2
+# Reads in flight (queued to the lanes) while the calling thread works on a buffer: one more than
+# the lanes, so that a lane that finishes while the caller is busy starts the next read at once
+# instead of waiting for the caller to take its buffer (with READ_LANES in flight, one lane was idle
+# for most of each buffer's shuffle: docs/loader-speed-history.md, 2026-12-01). A process holds up
+# to READ_AHEAD + 1 decoded buffers.
+READ_AHEAD = READ_LANES + 1
 
 
 def say_once(msg: str) -> None:
@@ -367,7 +373,7 @@ class UserwiseDataset(IterableDataset):
         in epoch order, skipping batches before ``start`` (epoch index).
 
         ``read_ahead`` (default: when this process decodes alone, ``num_workers <= 1``):
-        ``READ_LANES`` threads read the next buffers, one each, while this thread shuffles
+        ``READ_LANES`` threads read the next ``READ_AHEAD`` buffers while this thread shuffles
         and cuts the current one (Arrow, numpy and the compiled kernels release the GIL)."""
         plan = self.plan(epoch)
         alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
@@ -382,7 +388,7 @@ class UserwiseDataset(IterableDataset):
         try:
             for n, (i, buf) in enumerate(mine):
                 if pool is not None:
-                    while len(ahead) < READ_LANES and n + len(ahead) < len(mine):
+                    while len(ahead) < READ_AHEAD and n + len(ahead) < len(mine):
                         ahead.append(pool.submit(self._read, mine[n + len(ahead)][1]))
                     cols = ahead.popleft().result()
                 else:
