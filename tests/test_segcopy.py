@@ -75,17 +75,17 @@ def test_compiled_copies_refuse_ranges_outside_their_arrays():
     segcopy.seg_copy(src, 0 * one, 10 * one, np.zeros(10, np.int64))  # exactly fitting is fine
     nb = segcopy.batch_kernels()
     ops = np.array([[nb.VAL, 0, 0, 0, 1, -1, -1]], np.int64)  # samples [a, b) of a 1-byte column
-    bsrc, isrc = segcopy.byte_list([np.arange(4, dtype=np.uint8)]), segcopy.int_list([np.zeros(1, np.int64)])
+    bsrc, isrc = segcopy.byte_sources([np.arange(4, dtype=np.uint8)]), segcopy.int_sources([np.zeros(1, np.int64)])
     pos, numel = np.zeros(1, np.int64), np.zeros(1, np.int64)
     for b, ok in ((4, True), (10, False)):  # 10 samples of a 4-byte column: past the source
-        total = nb.batch_layout(ops, 0, b, isrc, 64, pos, numel)
+        total = nb.batch_layout(ops, 0, b, isrc.table, 64, pos, numel)
         out = np.zeros(total, np.uint8)
         if ok:
-            nb.batch_fill(out, ops, 0, b, bsrc, isrc, pos, numel, 64, total)
+            nb.batch_fill(out, ops, 0, b, bsrc.table, isrc.table, pos, numel, 64, total)
             assert out[:4].tolist() == [0, 1, 2, 3]
         else:
             with pytest.raises(IndexError):
-                nb.batch_fill(out, ops, 0, b, bsrc, isrc, pos, numel, 64, total)
+                nb.batch_fill(out, ops, 0, b, bsrc.table, isrc.table, pos, numel, 64, total)
 
 
 def test_string_runs_kernel_matches_the_definition_and_checks_its_ranges():

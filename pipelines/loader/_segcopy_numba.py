@@ -29,6 +29,36 @@ def _memcpy(typingctx, dst, doff, src, soff, n):
     return sig, codegen
 
 
+def _pointer_to(nbtype):
+    """An intrinsic turning an address (int64) into a typed pointer, for ``numba.carray``."""
+    @intrinsic
+    def pointer(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+        sig = types.CPointer(nbtype)(addr)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        return sig, codegen
+    return pointer
+
+
+_u8_ptr = _pointer_to(types.uint8)
+_i64_ptr = _pointer_to(types.int64)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _bytes(src, k):  # pragma: no cover (compiled)
+    """Byte source k of a source table (row 0 addresses, row 1 lengths: segcopy.sources)."""
+    return numba.carray(_u8_ptr(src[0, k]), (src[1, k],))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _ints(src, k):  # pragma: no cover (compiled)
+    """int64 source k of a source table."""
+    return numba.carray(_i64_ptr(src[0, k]), (src[1, k],))
+
+
 @numba.njit(nogil=True, cache=True)
 def kernel(src, starts, lengths, out):  # pragma: no cover (compiled; covered through segcopy.seg_copy)
     total = 0
@@ -105,10 +135,10 @@ def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cove
 @numba.njit(nogil=True, cache=True)
 def _range(isrc, g, a, b):  # pragma: no cover (compiled)
     """Element range of samples [a, b) in a group: [a, b) itself for sample columns (g < 0),
-    else [off[a], off[b]) of the group's offsets isrc[g]."""
+    else [off[a], off[b]) of the group's offsets (int source g)."""
     if g < 0:
         return a, b
-    o = isrc[g]
+    o = _ints(isrc, g)
     return o[a], o[b]
 
 
@@ -116,7 +146,7 @@ def _range(isrc, g, a, b):  # pragma: no cover (compiled)
 def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compiled)
     """Element count and aligned byte position of every array of the batch of samples [a, b);
     returns the batch's bytes. ops rows: (kind, bytes src, int src, int src 2, itemsize,
-    group offsets, base group offsets)."""
+    group offsets, base group offsets). isrc: the int sources' table (segcopy.sources)."""
     total = 0
     for i in range(ops.shape[0]):
         kind = ops[i, 0]
@@ -124,7 +154,7 @@ def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compi
         if kind == OFFS:
             n = b - a + 1
         elif kind == STR:
-            so = isrc[ops[i, 2]]
+            so = _ints(isrc, ops[i, 2])
             n = so[eb] - so[ea]
         elif kind == SOFF:
             n = eb - ea + 1
@@ -153,7 +183,8 @@ def _copy(out, d, src, s, m):  # pragma: no cover (compiled)
 @numba.njit(nogil=True, cache=True)
 def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma: no cover (compiled)
     """Write the batch of samples [a, b) into ``out`` (bytes) at the positions batch_layout gave:
-    every array of every column in one call, alignment padding and the tail zeroed."""
+    every array of every column in one call, alignment padding and the tail zeroed. bsrc and
+    isrc: the byte and int sources' tables (segcopy.sources; the caller keeps the arrays alive)."""
     for i in range(ops.shape[0]):
         kind = ops[i, 0]
         w = ops[i, 4]
@@ -161,30 +192,30 @@ def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma:
         p = pos[i]
         n = numel[i]
         if kind == VAL:
-            _copy(out, p, bsrc[ops[i, 1]], ea * w, n * w)
+            _copy(out, p, _bytes(bsrc, ops[i, 1]), ea * w, n * w)
         elif kind == RUN:
-            src = bsrc[ops[i, 1]]
-            st = isrc[ops[i, 2]]
-            ln = isrc[ops[i, 3]]
+            src = _bytes(bsrc, ops[i, 1])
+            st = _ints(isrc, ops[i, 2])
+            ln = _ints(isrc, ops[i, 3])
             d = p
             for s in range(a, b):
                 m = ln[s] * w
                 _copy(out, d, src, st[s] * w, m)
                 d += m
         elif kind == STR:
-            _copy(out, p, bsrc[ops[i, 1]], isrc[ops[i, 2]][ea], n)
+            _copy(out, p, _bytes(bsrc, ops[i, 1]), _ints(isrc, ops[i, 2])[ea], n)
         else:  # int64 arrays written value by value: offsets rebased to the batch, derived indices
             o = out[p: p + 8 * n].view(np.int64)
             if kind == OFFS:
-                src = isrc[ops[i, 5]]
+                src = _ints(isrc, ops[i, 5])
                 s0, base = a, src[a]
             elif kind == SOFF:
-                src = isrc[ops[i, 2]]
+                src = _ints(isrc, ops[i, 2])
                 s0, base = ea, src[ea]
             else:  # SUB: request -> sample (base a), impression -> request (base: the batch's first request)
-                src = isrc[ops[i, 2]]
+                src = _ints(isrc, ops[i, 2])
                 s0 = ea
-                base = a if ops[i, 6] < 0 else isrc[ops[i, 6]][a]
+                base = a if ops[i, 6] < 0 else _ints(isrc, ops[i, 6])[a]
             for k in range(n):
                 o[k] = src[s0 + k] - base
         end = p + (n * w + align - 1) // align * align

@@ -286,6 +286,83 @@ def _select_lists(off: np.ndarray, rows: np.ndarray):
     return _np_ranges(start, ln), new, ln
 
 
+_LAYOUTS: dict = {}  # Prepared's layout per column signature (names, types, which arrays exist)
+
+
+def _layout(cols: dict[str, Col]):
+    """What :class:`Prepared` derives from the columns' names and kinds alone, worked out once
+    per schema (every buffer of a node has the same one): the batch layout (entries in
+    :func:`layout_key` order, count slots) and, per group, which columns form each block, the
+    string group and the validity rows. Returns (attributes, group recipes)."""
+    order = {name: i for i, name in enumerate(cols)}
+    columns = {}
+    groups: dict[tuple, dict] = {}
+    for name, c in cols.items():
+        g = _group_of(name, c)
+        columns[name] = (g, c.arrow)
+        gk = (g, order[name] if g == "list" else 0)
+        G = groups.setdefault(gk, {"label": g if g != "list" else name, "off": None, "num": {}, "str": [],
+                                   "valid": []})
+        if c.offsets is not None and G["off"] is None:
+            G["off"] = name
+        if c.str_offsets is not None:
+            G["str"].append((order[name], name))
+        else:
+            G["num"].setdefault(c.values.dtype.name, []).append((order[name], name))
+        if c.validity is not None:
+            G["valid"].append((order[name], name))
+    # entries: (key, name, dtype, count slot); counts per batch: [B, B+1, n_g, n_g+1 ..., string bytes ...]
+    entries = []
+    recipes = []  # (g, sub, offsets column or None, count slot of n_g, blocks, strings, valid)
+    nslot = 2
+    for gk in sorted(groups, key=lambda k: (_GRANK[k[0]], k[1])):
+        G = groups[gk]
+        g, sub = gk
+        if G["off"] is None:
+            n_slot, n1_slot = 0, 1
+        else:
+            n_slot, n1_slot = nslot, nslot + 1
+            nslot += 2
+            entries.append((layout_key(g, sub, 0, "", 0), f"{G['label']}.offsets", "int64", 1))
+        blocks = []
+        for dt, items in G["num"].items():
+            items.sort()
+            for ci, name in items:
+                entries.append((layout_key(g, sub, 1, dt, ci), name, dt, n_slot))
+            blocks.append((layout_key(g, sub, 1, dt, items[0][0]), [name for _, name in items]))
+        strings = None
+        if G["str"]:
+            G["str"].sort()
+            first = nslot
+            for ci, name in G["str"]:
+                entries.append((layout_key(g, sub, 2, "", ci), name, "uint8", nslot))
+                entries.append((layout_key(g, sub, 3, "int64", ci), name + ".soff", "int64", n1_slot))
+                nslot += 1
+            c0 = G["str"][0][0]
+            strings = (layout_key(g, sub, 2, "", c0), layout_key(g, sub, 3, "int64", c0),
+                       [name for _, name in G["str"]], first)
+        valid = None
+        if G["valid"]:
+            G["valid"].sort()
+            for ci, name in G["valid"]:
+                entries.append((layout_key(g, sub, 4, "uint8", ci), name + ".valid", "uint8", n_slot))
+            valid = (layout_key(g, sub, 4, "uint8", G["valid"][0][0]), [name for _, name in G["valid"]])
+        recipes.append((g, sub, G["off"], n_slot, blocks, strings, valid))
+    slots = {g: n for g, _, off, n, *_ in recipes if off is not None and g in ("req", "imp", "seq")}
+    req_slot, imp_slot, seq_slot = slots.get("req"), slots.get("imp"), slots.get("seq")
+    if req_slot is not None:
+        entries.append((layout_key("req", 0, 5, "", 0), "req.sample", "int64", req_slot))
+        if "req_num_imps" in cols and imp_slot is not None:
+            entries.append((layout_key("imp", 0, 5, "", 0), "imp.req", "int64", imp_slot))
+    entries.sort(key=lambda e: e[0])
+    attrs = {"columns": columns, "req_slot": req_slot, "imp_slot": imp_slot, "seq_slot": seq_slot, "nslot": nslot,
+             "keys": [e[0] for e in entries], "where": {e[0]: i for i, e in enumerate(entries)},
+             "names": [e[1] for e in entries], "dtypes": [e[2] for e in entries],
+             "itemsize": np.array([np.dtype(e[2]).itemsize for e in entries], np.int64),
+             "slot": np.array([e[3] for e in entries], np.int64)}
+    return attrs, recipes
+
+
 class Prepared:
     """One decoded buffer (host columns) laid out for fast batch gathers.
 
@@ -298,81 +375,42 @@ class Prepared:
     threads on a busy host)."""
 
     def __init__(self, cols: dict[str, Col]):
-        cols = {n: Col(*(None if x is None else np.asarray(x) for x in (c.values, c.offsets, c.str_offsets, c.validity)),
-                       c.arrow) for n, c in cols.items()}
-        order = {name: i for i, name in enumerate(cols)}
-        self.columns = {}
-        groups: dict[tuple, dict] = {}
-        for name, c in cols.items():
-            g = _group_of(name, c)
-            self.columns[name] = (g, c.arrow)
-            gk = (g, order[name] if g == "list" else 0)
-            G = groups.setdefault(gk, {"label": g if g != "list" else name, "off": None, "num": {}, "str": [],
-                                       "valid": []})
-            if c.offsets is not None and G["off"] is None:
-                G["off"] = c.offsets.astype(np.int64, copy=False)
-            if c.str_offsets is not None:
-                G["str"].append((order[name], name, c.values, c.str_offsets.astype(np.int64, copy=False)))
-            else:
-                v = c.values
-                G["num"].setdefault(v.dtype.name, []).append((order[name], name, v))
-            if c.validity is not None:
-                G["valid"].append((order[name], name, c.validity.astype(np.uint8, copy=False)))
+        if not all(isinstance(x, np.ndarray) or x is None
+                   for c in cols.values() for x in (c.values, c.offsets, c.str_offsets, c.validity)):
+            cols = {n: Col(*(None if x is None else np.asarray(x) for x in (c.values, c.offsets, c.str_offsets,
+                                                                            c.validity)), c.arrow)
+                    for n, c in cols.items()}
+        sig = tuple((n, c.arrow, c.values.dtype.str, c.offsets is None, c.str_offsets is None, c.validity is None)
+                    for n, c in cols.items())
+        lay = _LAYOUTS.get(sig)
+        if lay is None:
+            lay = _layout(cols)
+            if len(_LAYOUTS) >= 64:  # a long run over many schemas: start over rather than grow
+                _LAYOUTS.clear()
+            _LAYOUTS[sig] = lay
+        attrs, recipes = lay
+        self.__dict__.update(attrs)
         self.rni = cols["req_num_imps"].values.astype(np.int64) if "req_num_imps" in cols else None
-        # entries: (key, name, dtype, count slot); counts per batch: [B, B+1, n_g, n_g+1 ..., string bytes ...]
-        entries = []
-        self.groups = []  # (gk, offsets or None, count slot of n_g, blocks, strings, valid)
-        nslot = 2
-        for gk in sorted(groups, key=lambda k: (_GRANK[k[0]], k[1])):
-            G = groups[gk]
-            g, sub = gk
-            if G["off"] is None:
-                n_slot, n1_slot = 0, 1
-            else:
-                n_slot, n1_slot = nslot, nslot + 1
-                nslot += 2
-                entries.append((layout_key(g, sub, 0, "", 0), f"{G['label']}.offsets", "int64", 1))
-            blocks = []
-            for dt, items in G["num"].items():
-                items.sort()
-                for ci, name, _ in items:
-                    entries.append((layout_key(g, sub, 1, dt, ci), name, dt, n_slot))
-                blocks.append((layout_key(g, sub, 1, dt, items[0][0]), [v for _, _, v in items]))
-            strings = None
-            if G["str"]:
-                G["str"].sort(key=lambda x: x[0])
-                data = np.concatenate([d for _, _, d, _ in G["str"]]) if len(G["str"]) > 1 else G["str"][0][2]
-                base = np.cumsum([0] + [len(d) for _, _, d, _ in G["str"]])[:-1]
-                soff = np.stack([so + b for (_, _, _, so), b in zip(G["str"], base)])
-                first = nslot
-                for ci, name, _, _ in G["str"]:
-                    entries.append((layout_key(g, sub, 2, "", ci), name, "uint8", nslot))
-                    entries.append((layout_key(g, sub, 3, "int64", ci), name + ".soff", "int64", n1_slot))
-                    nslot += 1
-                strings = (layout_key(g, sub, 2, "", G["str"][0][0]), layout_key(g, sub, 3, "int64", G["str"][0][0]),
-                           data, soff, first)
-            valid = None
-            if G["valid"]:
-                G["valid"].sort(key=lambda x: x[0])
-                for ci, name, _ in G["valid"]:
-                    entries.append((layout_key(g, sub, 4, "uint8", ci), name + ".valid", "uint8", n_slot))
-                valid = (layout_key(g, sub, 4, "uint8", G["valid"][0][0]), [v for _, _, v in G["valid"]])
-            self.groups.append((g, sub, G["off"], n_slot, blocks, strings, valid))
-        self.req_slot = next((n for g, _, off, n, *_ in self.groups if g == "req" and off is not None), None)
-        self.imp_slot = next((n for g, _, off, n, *_ in self.groups if g == "imp" and off is not None), None)
-        self.seq_slot = next((n for g, _, off, n, *_ in self.groups if g == "seq" and off is not None), None)
-        if self.req_slot is not None:
-            entries.append((layout_key("req", 0, 5, "", 0), "req.sample", "int64", self.req_slot))
-            if self.rni is not None and self.imp_slot is not None:
-                entries.append((layout_key("imp", 0, 5, "", 0), "imp.req", "int64", self.imp_slot))
-        entries.sort(key=lambda e: e[0])
-        self.nslot = nslot
-        self.keys = [e[0] for e in entries]
-        self.where = {e[0]: i for i, e in enumerate(entries)}
-        self.names = [e[1] for e in entries]
-        self.dtypes = [e[2] for e in entries]
-        self.itemsize = np.array([np.dtype(e[2]).itemsize for e in entries], np.int64)
-        self.slot = np.array([e[3] for e in entries], np.int64)
+        self.groups = []  # (g, sub, offsets or None, count slot of n_g, blocks, strings, valid)
+        for g, sub, off_name, n_slot, blocks, strings, valid in recipes:
+            off = None if off_name is None else cols[off_name].offsets.astype(np.int64, copy=False)
+            blocks2 = [(key, [cols[n].values for n in names]) for key, names in blocks]
+            strings2 = None
+            if strings is not None:
+                bkey, skey, names, first = strings
+                ds = [cols[n].values for n in names]
+                data = np.concatenate(ds) if len(ds) > 1 else ds[0]
+                base = 0
+                soff = np.empty((len(names), len(cols[names[0]].str_offsets)), np.int64)
+                for r, (n, d) in enumerate(zip(names, ds)):
+                    np.add(cols[n].str_offsets, base, out=soff[r])
+                    base += len(d)
+                strings2 = (bkey, skey, data, soff, first)
+            valid2 = None
+            if valid is not None:
+                key, names = valid
+                valid2 = (key, [cols[n].validity.astype(np.uint8, copy=False) for n in names])
+            self.groups.append((g, sub, off, n_slot, blocks2, strings2, valid2))
 
     def permuted(self, perm) -> "Prepared":
         """This buffer with its samples in ``perm`` order: one gather per block for the
@@ -496,14 +534,14 @@ class Prepared:
             return None
         seq = isrc[goff["seq"]] if "seq" in goff else None
         imp = isrc[goff["imp"]] if "imp" in goff and self.imp_req is not None else None
-        return (nb, np.array(rows, np.int64).reshape(-1, 7), segcopy.byte_list(bsrc), segcopy.int_list(isrc), seq, imp)
+        return (nb, np.array(rows, np.int64).reshape(-1, 7), segcopy.byte_sources(bsrc), segcopy.int_sources(isrc), seq, imp)
 
     def _assemble_compiled(self, prog, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
         nb, ops, bsrc, isrc, seq, imp = prog
         pos, numel = np.empty(len(ops), np.int64), np.empty(len(ops), np.int64)
-        total = int(nb.batch_layout(ops, a, b, isrc, ALIGN, pos, numel))
+        total = int(nb.batch_layout(ops, a, b, isrc.table, ALIGN, pos, numel))
         buf = alloc(max(total, ALIGN))
-        nb.batch_fill(buf.numpy(), ops, a, b, bsrc, isrc, pos, numel, ALIGN, total)
+        nb.batch_fill(buf.numpy(), ops, a, b, bsrc.table, isrc.table, pos, numel, ALIGN, total)
         m = dict(meta)
         m["num_samples"] = b - a
         m["columns"] = self.columns
