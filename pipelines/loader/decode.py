@@ -69,6 +69,30 @@ _NP = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(
        pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64, pa.date32(): np.int32}
 
 
+_KINDS: dict = {}  # Arrow type id (list: with its value type's) -> how _fast decodes it
+
+
+def _kind(t):
+    """(list offsets dtype or None, "str" / "num" / None, string offsets dtype or numpy dtype,
+    the type's name) for :func:`_fast`, worked out once per type: the per-column cost of a
+    buffer's decode was mostly these type checks and names (Python calls), not the arrays."""
+    key = (t.id, t.value_type.id) if pa.types.is_list(t) or pa.types.is_large_list(t) else t.id
+    k = _KINDS.get(key)
+    if k is None:
+        off, leaf = None, t
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            off, leaf = (np.int32 if pa.types.is_list(t) else np.int64), t.value_type
+        if pa.types.is_string(leaf) or pa.types.is_binary(leaf):
+            k = (off, "str", np.int32, str(leaf))
+        elif pa.types.is_large_string(leaf) or pa.types.is_large_binary(leaf):
+            k = (off, "str", np.int64, str(leaf))
+        else:
+            dt = _NP.get(leaf)
+            k = (off, "num" if dt is not None and np.dtype(dt).byteorder != ">" else None, dt, str(leaf))
+        _KINDS[key] = k  # the types _NP lists take no parameters: their id names them
+    return k
+
+
 def _fast(col) -> dict | None:
     """Zero-copy flat arrays of a primitive or list-of-primitive column (the common case:
     no null lists, native little-endian); None where the general path is needed."""
@@ -76,49 +100,46 @@ def _fast(col) -> dict | None:
         arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     else:
         arr = col
-    t = arr.type
+    off_dt, leaf, dt, name = _kind(arr.type)
+    if leaf is None:
+        return None
     offsets = None
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
+    if off_dt is not None:
         if arr.null_count:
             return None
-        ob = np.frombuffer(arr.buffers()[1], np.int32 if pa.types.is_list(t) else np.int64)
+        ob = np.frombuffer(arr.buffers()[1], off_dt)
         ob = ob[arr.offset: arr.offset + len(arr) + 1]
         o0 = int(ob[0]) if len(ob) else 0
         offsets = ob.astype(np.int64)
         if o0:
             offsets -= o0
         arr = arr.values.slice(o0, int(offsets[-1]) if len(offsets) else 0)
-        t = t.value_type
-    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+    if leaf == "str":
         if arr.null_count:
             return None
         bufs = arr.buffers()
-        so = np.frombuffer(bufs[1], np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else np.int32)
+        so = np.frombuffer(bufs[1], dt)
         so = so[arr.offset: arr.offset + len(arr) + 1]
         s0, s1 = (int(so[0]), int(so[-1])) if len(so) else (0, 0)
         data = np.frombuffer(bufs[2], np.uint8)[s0:s1] if bufs[2] is not None else np.zeros(0, np.uint8)
         so = so.astype(np.int64)
         if s0:
             so -= s0
-        return {"values": data, "offsets": offsets, "str_offsets": so, "validity": None, "arrow": str(t)}
-    dt = _NP.get(t)
-    if dt is None or np.dtype(dt).byteorder == ">":
-        return None
+        return {"values": data, "offsets": offsets, "str_offsets": so, "validity": None, "arrow": name}
     bufs = arr.buffers()
     v = np.frombuffer(bufs[1], dt)[arr.offset: arr.offset + len(arr)] if bufs[1] is not None else np.zeros(0, dt)
     valid = None
     if arr.null_count:  # nulls read as 0, with a validity mask
         valid = gdsmod.validity(arr)
         v = np.where(valid.view(bool), v, np.zeros((), dt))
-    return {"values": v, "offsets": offsets, "str_offsets": None, "validity": valid, "arrow": str(t)}
+    return {"values": v, "offsets": offsets, "str_offsets": None, "validity": valid, "arrow": name}
 
 
 def from_arrow(table: pa.Table, where: str = "") -> dict[str, Col]:
     """Flat columns of a (decoded) table; list offsets start at 0. Host arrays are numpy
     (zero-copy views of Arrow's buffers where possible)."""
     out = {}
-    for name in table.column_names:
-        col = table.column(name)
+    for name, col in zip(table.column_names, table.columns):
         a = _fast(col)
         if a is None:
             a = gdsmod.column_arrays(col)
