@@ -204,34 +204,18 @@ def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma:
                 d += m
         elif kind == STR:
             _copy(out, p, _bytes(bsrc, ops[i, 1]), _ints(isrc, ops[i, 2])[ea], n)
-        elif kind == SUB:  # derived indices: request -> sample, impression -> request (within the batch)
-            # run r of the batch's parents (samples [a, b), or requests [base[a], base[b]))
-            # has runs[r + 1] - runs[r] children, each of which gets r's index in the batch
-            o = out[p: p + 8 * n].view(np.int64)
-            runs = _ints(isrc, ops[i, 2])
-            if ops[i, 6] < 0:
-                r0, r1 = a, b
-            else:
-                bo = _ints(isrc, ops[i, 6])
-                r0, r1 = bo[a], bo[b]
-            k = 0
-            for r in range(r0, r1):
-                m = runs[r + 1] - runs[r]
-                if m < 0 or k + m > n:
-                    raise IndexError("batch_fill: derived indices do not match their group's size")
-                for q in range(m):
-                    o[k + q] = r - r0
-                k += m
-            if k != n:
-                raise IndexError("batch_fill: derived indices do not match their group's size")
-        else:  # int64 arrays written value by value: offsets rebased to the batch
+        else:  # int64 arrays written value by value: offsets rebased to the batch, derived indices
             o = out[p: p + 8 * n].view(np.int64)
             if kind == OFFS:
                 src = _ints(isrc, ops[i, 5])
                 s0, base = a, src[a]
-            else:  # SOFF
+            elif kind == SOFF:
                 src = _ints(isrc, ops[i, 2])
                 s0, base = ea, src[ea]
+            else:  # SUB: request -> sample (base a), impression -> request (base: the batch's first request)
+                src = _ints(isrc, ops[i, 2])
+                s0 = ea
+                base = a if ops[i, 6] < 0 else _ints(isrc, ops[i, 6])[a]
             for k in range(n):
                 o[k] = src[s0 + k] - base
         end = p + (n * w + align - 1) // align * align

@@ -488,26 +488,14 @@ class Prepared:
             groups.append((g, sub, new, n_slot, blocks2, strings2, valid2))
         p.groups = groups
         p.B = B
-        p.has_req = self.req_slot is not None
-        p.has_imp = p.has_req and self.rni is not None and self.imp_slot is not None
-        p.req_sample = p.imp_req = p.imp_runs = None
-        p.req_e = req_e
-        if p.has_imp:  # impressions per request, in the shuffled order, as offsets
-            p.imp_runs = np.zeros(len(req_e) + 1, np.int64)
-            np.cumsum(self.rni[req_e], out=p.imp_runs[1:])
+        p.req_sample = p.imp_req = None
+        if self.req_slot is not None:
+            roff = next(off for g, _, off, *_ in groups if g == "req")
+            p.req_sample = np.repeat(np.arange(B, dtype=np.int64), np.diff(roff))
+            if self.rni is not None and self.imp_slot is not None:
+                p.imp_req = np.repeat(np.arange(len(req_e), dtype=np.int64), self.rni[req_e])
         p._prog = p._program()
-        if p._prog is None:
-            p._derived()
         return p
-
-    def _derived(self) -> None:
-        """request -> sample and impression -> request of a shuffled buffer as whole arrays (the
-        numpy assembly slices them; the compiled one derives them per batch from offsets)."""
-        if self.has_req:
-            roff = next(off for g, _, off, *_ in self.groups if g == "req")
-            self.req_sample = np.repeat(np.arange(self.B, dtype=np.int64), np.diff(roff))
-            if self.has_imp:
-                self.imp_req = np.repeat(np.arange(len(self.req_e), dtype=np.int64), np.diff(self.imp_runs))
 
     def _program(self):
         """The batch program of a permuted buffer for the compiled kernels: one op per array of
@@ -558,15 +546,15 @@ class Prepared:
                 key, V = valid
                 for r in range(len(V)):
                     rows[where[key] + r] = (nb.VAL, b_(V[r]), 0, 0, 1, go, -1)
-        if self.has_req:  # request -> sample: the req group's offsets are the samples' runs
-            rows[where[layout_key("req", 0, 5, "", 0)]] = (nb.SUB, 0, goff["req"], 0, 8, goff["req"], -1)
-            if self.has_imp:  # impression -> request: runs of the batch's requests
-                rows[where[layout_key("imp", 0, 5, "", 0)]] = (nb.SUB, 0, i_(self.imp_runs), 0, 8, goff["imp"],
+        if self.req_sample is not None:
+            rows[where[layout_key("req", 0, 5, "", 0)]] = (nb.SUB, 0, i_(self.req_sample), 0, 8, goff["req"], -1)
+            if self.imp_req is not None:
+                rows[where[layout_key("imp", 0, 5, "", 0)]] = (nb.SUB, 0, i_(self.imp_req), 0, 8, goff["imp"],
                                                                goff["req"])
         if any(r is None for r in rows):  # pragma: no cover (a layout entry without an op: stay on numpy)
             return None
         seq = isrc[goff["seq"]] if "seq" in goff else None
-        imp = isrc[goff["imp"]] if "imp" in goff and self.has_imp else None
+        imp = isrc[goff["imp"]] if "imp" in goff and self.imp_req is not None else None
         return (nb, np.array(rows, np.int64).reshape(-1, 7), segcopy.byte_sources(bsrc), segcopy.int_sources(isrc), seq, imp)
 
     def _assemble_compiled(self, prog, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
