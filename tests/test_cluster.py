@@ -40,13 +40,20 @@ def shipped(tmp_path_factory):
 def submit(cluster, shipped, job, *args, tmp):
     py = shipped["python"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_HOME")}
-    env.update(PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py)
+    # PYTHONFAULTHANDLER: a Python process killed by a signal (this test once saw spark-submit
+    # exit 134, SIGABRT, with no traceback) prints every thread's stack to stderr first
+    env.update(PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py, PYTHONFAULTHANDLER="1")
     cmd = [spark_submit(), "--master", cluster.master_url, "--py-files", shipped["zip"],
            "--jars", ",".join(jars.ensure()), "--conf", "spark.executor.memory=768m",
            "--conf", "spark.driver.memory=1g", "--conf", f"spark.pyspark.python={py}",
            *submit_conf_args(), str(ROOT / "jobs" / f"{job}.py"), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
-    assert r.returncode == 0, f"{job}: {r.stderr[-4000:]}"
+    if r.returncode != 0:  # keep everything for the post-mortem, show its ends
+        log = tmp / f"{job}.stderr.log"
+        log.write_text(r.stderr)
+        crash = sorted(str(f) for f in tmp.rglob("*") if f.name.startswith(("hs_err", "core")))
+        pytest.fail(f"{job}: spark-submit exited {r.returncode}; full stderr in {log}; crash files {crash}\n"
+                    f"{r.stderr[:2000]}\n[...]\n{r.stderr[-6000:]}")
     return r
 
 
