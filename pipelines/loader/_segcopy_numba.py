@@ -49,7 +49,7 @@ _i64_ptr = _pointer_to(types.int64)
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _bytes(src, k):  # pragma: no cover (compiled)
-    """Byte source k of a source table (row 0 addresses, row 1 lengths: segcopy.sources)."""
+    """Byte source k of a source table (row 0 addresses, row 1 lengths: segcopy.Sources)."""
     return numba.carray(_u8_ptr(src[0, k]), (src[1, k],))
 
 
@@ -146,7 +146,7 @@ def _range(isrc, g, a, b):  # pragma: no cover (compiled)
 def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compiled)
     """Element count and aligned byte position of every array of the batch of samples [a, b);
     returns the batch's bytes. ops rows: (kind, bytes src, int src, int src 2, itemsize,
-    group offsets, base group offsets). isrc: the int sources' table (segcopy.sources)."""
+    group offsets, base group offsets). isrc: the int sources' table (segcopy.Sources)."""
     total = 0
     for i in range(ops.shape[0]):
         kind = ops[i, 0]
@@ -184,7 +184,7 @@ def _copy(out, d, src, s, m):  # pragma: no cover (compiled)
 def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma: no cover (compiled)
     """Write the batch of samples [a, b) into ``out`` (bytes) at the positions batch_layout gave:
     every array of every column in one call, alignment padding and the tail zeroed. bsrc and
-    isrc: the byte and int sources' tables (segcopy.sources; the caller keeps the arrays alive)."""
+    isrc: the byte and int sources' tables (segcopy.Sources; the caller keeps the arrays alive)."""
     for i in range(ops.shape[0]):
         kind = ops[i, 0]
         w = ops[i, 4]

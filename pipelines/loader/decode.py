@@ -555,7 +555,8 @@ class Prepared:
             return None
         seq = isrc[goff["seq"]] if "seq" in goff else None
         imp = isrc[goff["imp"]] if "imp" in goff and self.imp_req is not None else None
-        return (nb, np.array(rows, np.int64).reshape(-1, 7), segcopy.byte_sources(bsrc), segcopy.int_sources(isrc), seq, imp)
+        return (nb, np.array(rows, np.int64).reshape(-1, 7), segcopy.byte_sources(bsrc), segcopy.int_sources(isrc),
+                seq, imp)
 
     def _assemble_compiled(self, prog, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
         nb, ops, bsrc, isrc, seq, imp = prog

@@ -70,8 +70,7 @@ class Sources:
         dtype = np.dtype(dtype)
         keep = [np.ascontiguousarray(a).reshape(-1).view(dtype) if dtype == np.uint8
                 else np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in arrays]
-        table = np.empty((2, max(1, len(keep))), np.int64)
-        table[:, 0] = 0
+        table = np.zeros((2, max(1, len(keep))), np.int64)  # one zero entry at least: a valid table
         for k, a in enumerate(keep):
             table[0, k] = a.__array_interface__["data"][0]
             table[1, k] = a.shape[0]
