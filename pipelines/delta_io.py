@@ -38,9 +38,7 @@ def version(spark, path: str) -> int:
 
 def read_small(path: str, columns: list[str] | None = None):
     """A small table (a log, a manifest) as Arrow, through delta-rs: no Spark job."""
-    from deltalake import DeltaTable as RsTable
-
-    return RsTable(path).to_pyarrow_table(columns=columns)
+    return dataset(path).to_table(columns=columns)
 
 
 def write_small(path: str, table, predicate: str | None = None) -> None:
@@ -76,11 +74,36 @@ def partition_dates(path: str, col: str = "date") -> list:
     return sorted({d for d in dates.to_pylist() if d is not None})
 
 
+def arrow_filesystem(path: str):
+    """pyarrow's own filesystem rooted at the table ``path``; None where pyarrow has none for
+    its scheme.
+
+    delta-rs reads its Arrow datasets through a Python filesystem of its own by default
+    (``DeltaStorageHandler``: Arrow's I/O threads call back into Python and a Rust runtime).
+    A process that read through it sometimes aborts as it exits ("terminate called without an
+    active exception", SIGABRT; delta-rs#2184): 4 of 120 such processes on a loaded 2-core
+    machine, and the window job's driver twice in one CI run (spark-submit exit 134). Read
+    through pyarrow's filesystem, the same 120 exited cleanly. delta-rs still reads the log
+    and lists the files; only the Parquet bytes come through pyarrow.
+    """
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    if "://" not in path:
+        return pafs.SubTreeFileSystem(os.path.abspath(path), pafs.LocalFileSystem())
+    try:
+        fs, root = pafs.FileSystem.from_uri(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
+        return None
+    return pafs.SubTreeFileSystem(root, fs)
+
+
 def dataset(path: str):
-    """A Delta table's current version as a pyarrow dataset (delta-rs: no Spark job)."""
+    """A Delta table's current version as a pyarrow dataset (delta-rs lists the files, pyarrow
+    reads them: no Spark job; see :func:`arrow_filesystem`)."""
     from deltalake import DeltaTable as RsTable
 
-    return RsTable(path).to_pyarrow_dataset()
+    return RsTable(path).to_pyarrow_dataset(filesystem=arrow_filesystem(path))
 
 
 def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = (), schema=None,

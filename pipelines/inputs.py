@@ -23,9 +23,9 @@ def arrow_dataset(path: str) -> ds.Dataset:
     """The input as an Arrow dataset (Delta through delta-rs; Parquet with hive partitions)."""
     _check(path)
     if is_delta(path):
-        from deltalake import DeltaTable
+        from .delta_io import dataset
 
-        return DeltaTable(path).to_pyarrow_dataset()
+        return dataset(path)
     try:
         return ds.dataset(path, format="parquet", partitioning="hive")
     except (pa.ArrowInvalid, OSError) as e:

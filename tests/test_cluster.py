@@ -51,9 +51,13 @@ def submit(cluster, shipped, job, *args, tmp):
     if r.returncode != 0:  # keep everything for the post-mortem, show its ends
         log = tmp / f"{job}.stderr.log"
         log.write_text(r.stderr)
+        (tmp / f"{job}.stdout.log").write_text(r.stdout)
         crash = sorted(str(f) for f in tmp.rglob("*") if f.name.startswith(("hs_err", "core")))
-        pytest.fail(f"{job}: spark-submit exited {r.returncode}; full stderr in {log}; crash files {crash}\n"
-                    f"{r.stderr[:2000]}\n[...]\n{r.stderr[-6000:]}")
+        # the Python driver's stdout and stderr reach spark-submit's stdout (Spark's PythonRunner
+        # merges them): a Python fatal error or a C++ "terminate called" shows there, not in stderr
+        pytest.fail(f"{job}: spark-submit exited {r.returncode}; full output in {log} and .stdout.log; "
+                    f"crash files {crash}\n--- stdout (the Python driver), end:\n{r.stdout[-3000:]}\n"
+                    f"--- stderr (the JVM):\n{r.stderr[:1500]}\n[...]\n{r.stderr[-4000:]}")
     return r
 
 

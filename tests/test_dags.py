@@ -200,6 +200,23 @@ def test_spark_submit_command_ships_the_zip_and_jars():
     assert "{{" in op.py_files and "settings" in op.py_files  # resolved per run from the settings task
 
 
+_FATAL = ("Error code is", "Traceback", "Error:", "Fatal Python error", "terminate called", "panicked",
+          "hs_err", "Killed", "Aborted")
+
+
+def _why(r: subprocess.CompletedProcess, log: Path) -> str:
+    """A failed dag.test(): the whole output to ``log``; the lines that say why (a task's
+    exception, a job's fatal error: its output is in the task log, amid Airflow's lines), then
+    the end."""
+    out = r.stdout + r.stderr
+    log.write_text(out)
+    lines = out.splitlines()
+    hits = [i for i, line in enumerate(lines) if any(k in line for k in _FATAL)]
+    keep = sorted({j for i in hits[-12:] for j in range(max(0, i - 2), min(len(lines), i + 3))})
+    said = "\n".join(lines[j][:600] for j in keep)
+    return f"full output in {log}\n--- lines that say why:\n{said}\n--- end:\n{out[-2500:]}"
+
+
 @pytest.mark.spark
 @pytest.mark.slow
 def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
@@ -227,7 +244,7 @@ def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
         "print('STATE', run.state)\n"
         "sys.exit(0 if str(run.state).endswith('success') else 1)\n")
     first = subprocess.run([sys.executable, "-c", script % "None"], env=env, capture_output=True, text=True)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.returncode == 0, _why(first, tmp_path / "first.log")
     rec = tmp_path / "build" / "_userwise" / "published" / "incremental" / "2026-01-01.json"
     assert rec.exists()
     tables, shards = table_digest(tmp_path / "build"), shard_digest(tmp_path / "shards")
@@ -236,6 +253,6 @@ def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
     # second run of the same day (explicit override, a fresh run id): same tables, same shard bytes
     second = subprocess.run([sys.executable, "-c", (script % "{'date': '2026-01-01'}").replace(
         "dt.datetime(2026, 1, 2,", "dt.datetime(2026, 1, 9,")], env=env, capture_output=True, text=True)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.returncode == 0, _why(second, tmp_path / "second.log")
     assert table_digest(tmp_path / "build") == tables
     assert shard_digest(tmp_path / "shards") == shards

@@ -24,7 +24,7 @@ import pytest
 from tests import edgegen as E
 from tests import oracle as O
 from userwise import schemas
-from userwise.pipelines import cli
+from userwise.pipelines import cli, delta_io
 
 # window settings: name -> (M = --pretrain-days, N = --window-days), as-of 2026-03-06, data from 03-01
 WINDOWS = {
@@ -77,9 +77,7 @@ def build_argv(log: E.EdgeLog, out: Path, M: int, N: int, cfg: dict | None = Non
 
 def read_delta(spark, path) -> pl.DataFrame:
     try:
-        from deltalake import DeltaTable
-
-        return pl.from_arrow(DeltaTable(str(path)).to_pyarrow_table())
+        return pl.from_arrow(delta_io.read_small(str(path)))
     except Exception:  # a Delta feature delta-rs cannot read: fall back to Spark
         return pl.from_arrow(spark.read.format("delta").load(str(path)).toArrow())
 

@@ -34,14 +34,14 @@ def synth(dest: Path, days: int = 3) -> Path:
 
 def table_digest(output: str | Path, tables=TABLES) -> dict[str, str]:
     """Order-free content digest of each Delta table's current version (delta-rs, no JVM)."""
-    from deltalake import DeltaTable
+    from userwise.pipelines import delta_io
 
     out = {}
     for t in tables:
         p = Path(output) / t
         if not (p / "_delta_log").is_dir():
             continue
-        tbl = DeltaTable(str(p)).to_pyarrow_table()
+        tbl = delta_io.read_small(str(p))
         rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in tbl.to_pylist())
         out[t] = hashlib.sha256("\n".join(rows).encode()).hexdigest()
     return out
