@@ -81,3 +81,16 @@ def test_arrow_filesystem_roots(tmp_path, monkeypatch):
     assert isinstance(uri, pafs.SubTreeFileSystem) and uri.base_path.rstrip("/") == str(tmp_path / "t")
     # a scheme pyarrow has no filesystem for: delta-rs' own is used (None)
     assert delta_io.arrow_filesystem("nosuchscheme://bucket/t") is None
+
+
+@pytest.mark.spark
+def test_a_table_spark_wrote_with_escaped_partition_values_reads_the_same(spark, tmp_path):
+    """Spark escapes some characters in partition folder names and the log URL-encodes the
+    path again: pyarrow's filesystem must still find every file and the values must come back."""
+    path = str(tmp_path / "t")
+    vals = ["a b:c", "d%e/f", "é=ü", "plain"]
+    spark.createDataFrame([(i, v) for i, v in enumerate(vals)], "x long, p string") \
+        .write.format("delta").partitionBy("p").save(path)
+    got = delta_io.dataset(path).to_table().to_pylist()
+    assert sorted((r["x"], r["p"]) for r in got) == list(enumerate(vals))
+    assert isinstance(inputs.arrow_dataset(path).filesystem, pafs.SubTreeFileSystem)
