@@ -75,8 +75,8 @@ def partition_dates(path: str, col: str = "date") -> list:
 
 
 def arrow_filesystem(path: str):
-    """pyarrow's own filesystem rooted at the table ``path``; None where pyarrow has none for
-    its scheme.
+    """pyarrow's local filesystem rooted at the table ``path`` (a path or a ``file://`` URI);
+    None for other schemes (object stores: delta-rs' own filesystem, with its credentials).
 
     delta-rs reads its Arrow datasets through a Python filesystem of its own by default
     (``DeltaStorageHandler``: Arrow's I/O threads call back into Python and a Rust runtime).
@@ -86,16 +86,15 @@ def arrow_filesystem(path: str):
     through pyarrow's filesystem, the same 120 exited cleanly. delta-rs still reads the log
     and lists the files; only the Parquet bytes come through pyarrow.
     """
-    import pyarrow as pa
     import pyarrow.fs as pafs
 
     if "://" not in path:
-        return pafs.SubTreeFileSystem(os.path.abspath(path), pafs.LocalFileSystem())
-    try:
-        fs, root = pafs.FileSystem.from_uri(path)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
+        root = os.path.abspath(path)
+    elif path.startswith("file://"):
+        _, root = pafs.FileSystem.from_uri(path)
+    else:
         return None
-    return pafs.SubTreeFileSystem(root, fs)
+    return pafs.SubTreeFileSystem(root, pafs.LocalFileSystem())
 
 
 def dataset(path: str):

@@ -79,7 +79,8 @@ def test_arrow_filesystem_roots(tmp_path, monkeypatch):
     assert rel.base_path.rstrip("/") == str(tmp_path / "t")
     uri = delta_io.arrow_filesystem(f"file://{tmp_path}/t")
     assert isinstance(uri, pafs.SubTreeFileSystem) and uri.base_path.rstrip("/") == str(tmp_path / "t")
-    # a scheme pyarrow has no filesystem for: delta-rs' own is used (None)
+    # object stores keep delta-rs' own filesystem (None), with the credentials delta-rs resolves
+    assert delta_io.arrow_filesystem("s3://bucket/t") is None
     assert delta_io.arrow_filesystem("nosuchscheme://bucket/t") is None
 
 
