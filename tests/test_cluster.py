@@ -40,8 +40,9 @@ def shipped(tmp_path_factory):
 def submit(cluster, shipped, job, *args, tmp):
     py = shipped["python"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_HOME")}
-    # PYTHONFAULTHANDLER: a Python process killed by a signal (this test once saw spark-submit
-    # exit 134, SIGABRT, with no traceback) prints every thread's stack to stderr first
+    # PYTHONFAULTHANDLER: a Python process killed by a signal prints every thread's stack first.
+    # (spark-submit exit 134, SIGABRT, seen here and in the DAG test: delta-rs' filesystem
+    # aborting the driver at exit; see delta_io.arrow_filesystem.)
     env.update(PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py, PYTHONFAULTHANDLER="1")
     cmd = [spark_submit(), "--master", cluster.master_url, "--py-files", shipped["zip"],
            "--jars", ",".join(jars.ensure()), "--conf", "spark.executor.memory=768m",
