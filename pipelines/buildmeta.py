@@ -56,6 +56,10 @@ def load(output: str) -> tuple[C.Config, S.Layout, dict]:
     with open(p) as f:
         meta = json.load(f)
     S.check_version(meta.get("format_version"), p)
+    if int(meta["format_version"]) < S.FORMAT_VERSION:  # its tables have other columns than this code writes
+        raise S.SchemaError(f"{p}: written by userwise format {meta['format_version']} (the request key and time "
+                            f"stored twice); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
+                            "with `userwise build`")
     cfg = C.parse(meta["config"], source=p)
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(meta["input_schema"])))
     return cfg, cfg.layout(schema), meta

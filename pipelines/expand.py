@@ -28,7 +28,7 @@ def expand_frame(cfg, layout: S.Layout, samples: DataFrame, max_seq_len: int | N
         raise UserwiseError(f"--max-seq-len {Lp} is larger than the build's max_seq_len {L}: "
                             "the samples only hold the last L events per request")
     imp_cols = [f.name for f in layout.impression_columns]
-    req_cols = [f.name for f in layout.request_columns]
+    req_cols = [f.name for f in layout.stored_request_columns]
     # Per impression: the index of its request.
     imp_req = F.flatten(F.transform(F.sequence(F.lit(0), F.size("req_num_imps") - 1),
                                     lambda r: F.array_repeat(r, F.col("req_num_imps")[r])))
@@ -44,6 +44,8 @@ def expand_frame(cfg, layout: S.Layout, samples: DataFrame, max_seq_len: int | N
     cols[layout.user.name] = F.col("user")
     for c in req_cols:
         cols[c] = F.col(REQ + c)[r]
+    for c, canon in layout.derived_request_columns.items():  # stored once, as req_id / req_time
+        cols[c] = F.col(canon)[r]
     for k, c in enumerate(imp_cols):
         cols[c] = F.col(f"_z.i{k}")
     if not layout.fat:

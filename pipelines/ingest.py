@@ -265,7 +265,7 @@ def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
     """One row per request, impressions as struct-of-arrays in display order."""
     layout = canon.layout
     imp_cols = [f.name for f in layout.impression_columns]
-    req_cols = [f.name for f in layout.request_columns]
+    req_cols = [f.name for f in layout.stored_request_columns]  # the request key and an int64 time are req_id/req_time
     # Display order is the position alone: positions are unique among a request's accepted
     # rows (copies and conflicts are quarantined; without a position column it is the row's
     # place in its file). No file name per impression in the sort.

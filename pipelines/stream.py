@@ -161,7 +161,7 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
     ``kind`` and the window bounds are values, or columns over ``part`` where one
     frame holds several sample sets.
     """
-    req_cols = [f.name for f in layout.request_columns]
+    req_cols = [f.name for f in layout.stored_request_columns]
     imp_cols = [f.name for f in layout.impression_columns]
     # events -> seq arrays, sorted by index
     ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])

@@ -6,8 +6,12 @@ column gets a role and a level (per request, per impression, or the fat-row
 snapshot), keeping its own name and type so the round trip is exact.
 
 Naming in our tables (one rule, used by every table):
-- ``req__<col>``: an input column stored once per request (request key,
-  request time, context and user features), original name and type.
+- ``req__<col>``: an input column stored once per request (context and user
+  features, and the request time when it is not plain int64), original name
+  and type. The request key and an int64 request time are not stored twice:
+  they are ``req_id`` / ``req_time`` themselves (same values, same type), and
+  readers give them back under their input names
+  (:attr:`Layout.derived_request_columns`).
 - ``imp__<col>``: an input column stored once per impression (item, position,
   action time, labels, item features and every unmapped column).
 - ``seq_<field>``: a sequence field (lean: ``ts``, ``item``, ``action`` and one
@@ -68,6 +72,27 @@ class Layout:
         return tuple(f for f in self.input_schema if f.name in keep)
 
     @property
+    def derived_request_columns(self) -> dict[str, str]:
+        """Request-level input columns not stored as ``req__<col>``, by input name -> the
+        canonical column that holds them exactly: the request key is ``req_id`` (its own
+        type, its own values); a request time typed int64 is ``req_time`` (taken as is).
+        A time of any other type (a timestamp, an int32) keeps its ``req__``
+        copy: ``req_time`` is its conversion to time units, not the input's value."""
+        out = {}
+        if self.request is not None:
+            out[self.request.name] = "req_id"
+        if pa.types.is_int64(self.request_time.type) and self.request_time.name not in out:
+            out[self.request_time.name] = "req_time"
+        return out
+
+    @property
+    def stored_request_columns(self) -> tuple[pa.Field, ...]:
+        """The request columns stored as ``req__<col>``: :attr:`request_columns` less the
+        derived ones (which every request-level check still covers)."""
+        derived = self.derived_request_columns
+        return tuple(f for f in self.request_columns if f.name not in derived)
+
+    @property
     def snapshot_columns(self) -> tuple[str, ...]:
         return tuple(s.source for s in self.snapshot)
 
@@ -116,6 +141,7 @@ class Layout:
             "sequence": {s.name: s.source for s in self.snapshot} if self.fat else None,
             "seq_fields": [s.name for s in self.seq_fields],
             "input_columns": self.input_schema.names,
+            "request_derived": self.derived_request_columns,
         }
 
 

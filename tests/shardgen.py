@@ -58,7 +58,7 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
         rids = [f"r{user}-{j}" for j in range(R)]
         req_day = [(dt.date(1970, 1, 1) + dt.timedelta(days=int(t // MS_DAY))) for t in rt]
         row = {
-            "format_version": 1, "sample_id": (user * 1_000_003 + seed) & ((1 << 62) - 1), "kind": kind,
+            "format_version": schemas.FORMAT_VERSION, "sample_id": (user * 1_000_003 + seed) & ((1 << 62) - 1), "kind": kind,
             "window_start": ws, "window_end": we, "user": user, "chunk": 0,
             "num_requests": R, "num_impressions": K, "seq_len": L, "cost": L + K,
             "seq_ts": ev_ts, "seq_item": rng.integers(0, 5000, L), "seq_category": rng.integers(0, 50, L).astype(np.int32),
@@ -148,7 +148,7 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
                          "cost": int(np.asarray(t["cost"]).sum()),
                          "balance": {"rank_cost": rank_cost, "rank_rows": rank_rows, "max_dev": 0.0}})
     manifest = {
-        "format_version": 1, "nodes": nodes, "ranks_per_node": ranks_per_node, "seed": seed,
+        "format_version": schemas.FORMAT_VERSION, "nodes": nodes, "ranks_per_node": ranks_per_node, "seed": seed,
         "layout": "gds" if gds else "parquet",
         "schema_fingerprint": schemas.schema_fingerprint(arrow),
         "schema": [[f.name, str(f.type), f.nullable] for f in arrow],

@@ -188,6 +188,7 @@ def expand_rows_python(row: dict, roles: dict) -> list[dict]:
         for _ in range(row["req_num_imps"][r]):
             d = {roles["user"]: row["user"]}
             d.update({c[5:]: row[c][r] for c in req_cols})
+            d.update({name: row[canon][r] for name, canon in (roles.get("request_derived") or {}).items()})
             d.update({c[5:]: row[c][k] for c in imp_cols})
             d.update({c: row[c][b:e] for c in seq_cols})
             out.append(d)

@@ -166,7 +166,7 @@ def test_cli_one_window_several_shards_per_rank(built, spark, tmp_path, capsys):
     try:
         rc = cli.main(["preshard", "--samples", d, "--output", str(tmp_path / "W"), "--nodes", str(NODES),
                        "--ranks-per-node", str(RANKS), "--window", "2026-01-03", "--seed", str(SEED),
-                       "--target-shard-mb", "0.05", "--row-group-rows", "8"])
+                       "--target-shard-mb", "0.03", "--row-group-rows", "8"])
     finally:
         spark.conf.set("spark.sql.shuffle.partitions", old)
     assert rc == 0
@@ -180,7 +180,7 @@ def test_cli_one_window_several_shards_per_rank(built, spark, tmp_path, capsys):
     # same bytes as the pure twin, whatever Spark's partitioning; the set's
     # assignment does not depend on the other sets
     twin = preshard.preshard_arrow(win, str(tmp_path / "T"), schema=schemas.shard_schema(layout()).to_arrow(),
-                                   **{**KW, "target_shard_mb": 0.05})
+                                   **{**KW, "target_shard_mb": 0.03})
     assert [(s["path"], s["sha256"]) for s in w["shards"]] == [(s["path"], s["sha256"]) for s in twin["shards"]]
     assert w["sets"][0]["balance"] == next(s for s in m["sets"] if s["id"] == w["sets"][0]["id"])["balance"]
 
@@ -219,7 +219,7 @@ def test_parquet_properties(built):
             if names[i].endswith(".list.element"):
                 assert not c.has_dictionary_page, names[i]
     sch = pq.read_schema(os.path.join(out, s["path"]))
-    assert sch.metadata[b"userwise.format_version"] == b"1" and b"userwise.roles" in sch.metadata
+    assert sch.metadata[b"userwise.format_version"] == str(schemas.FORMAT_VERSION).encode() and b"userwise.roles" in sch.metadata
 
 
 def test_plain_readers(built):

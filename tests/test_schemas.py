@@ -66,9 +66,38 @@ def test_samples_carry_roles_and_version():
     assert sch.metadata[b"userwise.format_version"] == str(S.FORMAT_VERSION).encode()
     roles = json.loads(sch.metadata[b"userwise.roles"])
     assert roles["labels"] == ["click", "like"]
-    assert "imp__click" in sch.names and "req__request_ts" in sch.names
+    assert "imp__click" in sch.names and "req__device" in sch.names and "req__country" in sch.names
     assert "seq_category" in sch.names and "seq_action" in sch.names
     assert "imp__user_id" not in sch.names
+    # the request key and the int64 request time are req_id / req_time, not stored a second time
+    assert "req__request_id" not in sch.names and "req__request_ts" not in sch.names
+    assert roles["request_derived"] == {"request_id": "req_id", "request_ts": "req_time"}
+
+
+@pytest.mark.parametrize("time_type, stored", [(pa.int64(), False), (pa.timestamp("ms", tz="UTC"), True),
+                                               (pa.int32(), True)])
+def test_only_an_int64_request_time_is_derived(time_type, stored):
+    """req_time is the request time converted to time units (a long): it equals the input's
+    value only for an int64 column, so any other type keeps its own req__ copy (the round
+    trip returns it exactly). The request key is always req_id (its own type and values).
+    Every request-level column is still checked across a request's rows."""
+    base = S.SYNTH_IMPRESSIONS.to_arrow()
+    arrow = base.set(base.get_field_index("request_ts"), pa.field("request_ts", time_type, False))
+    lay = C.parse(LEAN_CFG).layout(arrow)
+    names = S.samples_schema(lay).to_arrow().names
+    assert ("req__request_ts" in names) == stored
+    assert "req__request_id" not in names and "req_id" in names
+    assert ("request_ts" in lay.derived_request_columns) == (not stored)
+    assert {"request_id", "request_ts"} <= {f.name for f in lay.request_columns}
+    assert S.requests_schema(lay).to_arrow().names.count("req__request_ts") == int(stored)
+
+
+def test_without_a_request_column_the_time_is_the_key():
+    cfg = json.loads(json.dumps(LEAN_CFG))
+    del cfg["columns"]["request"]
+    lay = C.parse(cfg).layout(S.SYNTH_IMPRESSIONS.to_arrow())
+    assert lay.derived_request_columns == {"request_ts": "req_time"}
+    assert "req__request_ts" not in S.samples_schema(lay).to_arrow().names
 
 
 def test_fingerprint_changes_with_types():
@@ -84,6 +113,25 @@ def test_version_check():
         S.check_version(S.FORMAT_VERSION + 1, "x")
     with pytest.raises(S.SchemaError, match="no userwise format version"):
         S.check_version(None, "x")
+
+
+def test_a_build_folder_of_an_older_format_is_refused_with_a_way_out(tmp_path):
+    """Format 1 stored the request key and time twice: its tables have columns this version
+    no longer writes, so the jobs refuse such a folder by name instead of failing in a write."""
+    import json as _json
+
+    from userwise.pipelines import buildmeta
+
+    lean, _ = layouts()
+    buildmeta.save(str(tmp_path), C.parse(LEAN_CFG), lean)
+    cfg, lay, meta = buildmeta.load(str(tmp_path))
+    assert meta["format_version"] == S.FORMAT_VERSION and lay.derived_request_columns
+    p = buildmeta.path(str(tmp_path))
+    m = _json.load(open(p))
+    m["format_version"] = 1
+    _json.dump(m, open(p, "w"))
+    with pytest.raises(S.SchemaError, match=r"format 1 .*rebuild the folder with `userwise build`"):
+        buildmeta.load(str(tmp_path))
 
 
 def test_duplicate_columns_rejected():

@@ -285,8 +285,9 @@ def expand_batch(batch: JaggedBatch):
     """Point-wise rows of a batch, one per impression (pure numpy + Arrow).
 
     Columns: the user column (its input name), every ``req__`` column
-    repeated per impression and every ``imp__`` column, both under their
-    original names, then per impression its visible history
+    repeated per impression (and ``req_id`` / ``req_time`` under the request
+    key's and request time's input names, roles ``request_derived``) and every
+    ``imp__`` column, all under their original names, then per impression its visible history
     ``seq_<field>`` = the stored seq[begin:end] of its request. For fat-row
     builds the history columns take the snapshot columns' input names, and a
     request's override (``req_snapshot`` 1) or null snapshot (2) comes back
@@ -308,6 +309,9 @@ def expand_batch(batch: JaggedBatch):
     for name, (group, typ) in cols.items():
         if group == "req" and name.startswith("req__"):
             out[name[5:]] = _arrow_col(b, name, typ, imp_req)
+    for name, canon in (roles.get("request_derived") or {}).items():  # the request key / time: stored once
+        if canon in cols and name not in out:
+            out[name] = _arrow_col(b, canon, cols[canon][1], imp_req)
     for name, (group, typ) in cols.items():
         if group == "imp" and name.startswith("imp__"):
             out[name[5:]] = _arrow_col(b, name, typ, None)
