@@ -100,3 +100,19 @@ def test_loader_bench_runs_with_a_token_budget(tmp_path):
     want = len(UserwiseDataset(str(shards / "short"), token_budget=500, world_size=1, rank=0, verify="none"))
     assert run["batches_per_epoch"] == want > 300 * 9 // 500
     assert run["share_of_ceiling"] > 0 and run["impressions_vs_pointwise"] > 0
+
+
+def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
+    """The one-thread phase benchmark walks every sample of the node once per epoch and
+    reports each phase and the loader's multiple of its ceiling."""
+    import re
+
+    bench = os.path.join(REPO, "benchmarks", "loader_phases.py")
+    r = subprocess.run([sys.executable, bench, staged, "--epochs", "2", "--token-budget", "300"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert " 60 samples per epoch" in line
+    for k in ("ceiling", "read", "from_arrow", "check", "prepared", "shuffle", "cut", "total"):
+        assert re.search(rf"\b{k} \d+\.\d", line), (k, line)
+    assert float(re.search(r"loader / ceiling (\d+\.\d+)x", line).group(1)) > 0

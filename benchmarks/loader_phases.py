@@ -1,0 +1,110 @@
+"""Where the loader's CPU goes, on one thread, next to its ceiling (not part of the tests).
+
+    python benchmarks/loader_phases.py SHARDS [SHARDS ...] [--epochs 8] [--token-budget 32768]
+
+SHARDS: a node's staged shard set (for instance ``loader_bench.py --shards S`` leaves
+``S/long`` and ``S/short``). Per epoch, alternating with one ceiling pass (pyarrow's
+``read_row_group`` of every row group on one thread, nothing else), the loader's host
+path runs buffer by buffer with nothing overlapped (no read-ahead, Arrow's threads
+off) and each phase is timed with ``time.process_time``: the read (Arrow), Arrow to
+numpy (``decode.from_arrow``), the parallel-lists check, the per-buffer set-up
+(``Prepared``), the shuffle (``permuted``) and cutting the batches
+(``assemble_range``). Prints the median of each, in ms of CPU per epoch, and the
+loader's total as a multiple of the ceiling (0.8 of the ceiling needs at most 1.25x
+with both sides bound by the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
+
+
+def ceiling_cpu(root: str) -> float:
+    man = json.load(open(os.path.join(root, "manifest.json")))
+    t = time.process_time()
+    for s in man["shards"]:
+        pf = pq.ParquetFile(os.path.join(root, s["path"]))
+        for i in range(pf.num_row_groups):
+            pf.read_row_group(i, use_threads=False)
+    return time.process_time() - t
+
+
+def loader_epoch_cpu(ds, epoch: int) -> dict:
+    from userwise.pipelines.loader import decode
+
+    alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+    acc = dict.fromkeys(PHASES, 0.0)
+    acc["samples"] = 0
+    pt = time.process_time
+    sh = ds.shards
+    for buf in ds.plan(epoch).buffers:
+        if not len(buf.rgs):
+            continue
+        t0 = pt()
+        runs: dict = {}
+        for g in buf.rgs:  # as UserwiseDataset.read_buffer: consecutive row groups of a file in one call
+            runs.setdefault(int(sh.rg_shard[g]), []).append(int(sh.rg_index[g]))
+        parts = [ds._file(s).read_row_groups(idx, columns=ds.columns, use_threads=False) for s, idx in runs.items()]
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        t1 = pt()
+        cols = decode.from_arrow(table, "bench")
+        t2 = pt()
+        decode.check_groups(cols, "bench")
+        t3 = pt()
+        prep = decode.Prepared(cols)
+        t4 = pt()
+        src = prep.permuted(buf.perm)
+        t5 = pt()
+        for k in range(buf.num_batches):
+            acc["samples"] += src.assemble_range(int(buf.bounds[k]), int(buf.bounds[k + 1]), alloc, {}).num_samples
+        t6 = pt()
+        for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+            acc[name] += b - a
+    return acc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="the loader's CPU per phase on one thread, next to the pyarrow ceiling")
+    p.add_argument("shards", nargs="+")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--token-budget", type=int, default=32768)
+    a = p.parse_args(argv)
+    from userwise.pipelines.loader import UserwiseDataset
+
+    for root in a.shards:
+        ds = UserwiseDataset(root, token_budget=a.token_budget, world_size=1, rank=0, verify="none", seed=1,
+                             device="cpu")
+        ds.read_threads = False
+        loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
+        rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total",)}
+        samples = set()
+        for ep in range(a.epochs):
+            rows["ceiling"].append(ceiling_cpu(root))
+            acc = loader_epoch_cpu(ds, ep)
+            samples.add(acc.pop("samples"))
+            for k, v in acc.items():
+                rows[k].append(v)
+            rows["total"].append(sum(acc.values()))
+        med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+        print(f"{root}: {'/'.join(map(str, sorted(samples)))} samples per epoch; ms of CPU per epoch (median of {a.epochs}) "
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+              + f"; loader / ceiling {med['total'] / med['ceiling']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
