@@ -7,6 +7,7 @@ see ``delta_io.arrow_filesystem`` and ``benchmarks/delta_exit_check.py``.)
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import pyarrow as pa
 import pyarrow.dataset as pds
@@ -95,3 +96,27 @@ def test_a_table_spark_wrote_with_escaped_partition_values_reads_the_same(spark,
     got = delta_io.dataset(path).to_table().to_pylist()
     assert sorted((r["x"], r["p"]) for r in got) == list(enumerate(vals))
     assert isinstance(inputs.arrow_dataset(path).filesystem, pafs.SubTreeFileSystem)
+
+
+@pytest.mark.spark
+def test_spark_writes_and_merges_zstd_files_and_leaves_the_session_codec_alone(spark, tmp_path):
+    """Every table the build writes is zstd (delta_io.CODEC), by replaceWhere and by MERGE;
+    the MERGE sets the session's codec only for its own call."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "t")
+    key = "spark.sql.parquet.compression.codec"
+    before = spark.conf.get(key, None)
+    delta_io.replace(spark.createDataFrame([(1, "a"), (2, "b")], "user long, v string"), path, None)
+    first = set(glob.glob(os.path.join(path, "*.parquet")))
+    delta_io.merge_by_key(spark, path, spark.createDataFrame([(2, "c"), (3, "d")], "user long, v string"), "user")
+    merged = set(glob.glob(os.path.join(path, "*.parquet"))) - first
+    assert first and merged  # both writes added files
+    for f in first | merged:
+        md = pq.ParquetFile(f).metadata
+        assert {md.row_group(0).column(j).compression for j in range(md.num_columns)} == {"ZSTD"}, f
+    assert spark.conf.get(key, None) == before
+    assert sorted(delta_io.read_small(path).to_pylist(), key=lambda r: r["user"]) == [
+        {"user": 1, "v": "a"}, {"user": 2, "v": "c"}, {"user": 3, "v": "d"}]
