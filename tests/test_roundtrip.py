@@ -406,3 +406,40 @@ def test_loader_batches_expand_like_spark_expand(case, expander, builder, spark,
     assert diff == [], "\n".join(diff)
     if b.log.fat:  # the case exercises overrides and null snapshots, not only slices
         assert b.log.planted["overrides"] > 0 and b.log.planted["null_snapshots"] > 0
+
+
+def test_a_timestamp_request_time_keeps_its_copy_and_both_forms_round_trip(logs, builder, expander, tmp_path):
+    """Format 2 stores the request key only as req_id and an int64 request time only as
+    req_time; a timestamp request time keeps its req__ column (req_time is its conversion to
+    time units). The same log with request_ts as a timestamp builds and expands to the same
+    rows as with request_ts as epoch ms (the int64 build is the one checked against the
+    oracle above), its request_ts coming back as a timestamp of the same instants."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pds
+
+    log = logs["actions"]
+    part = pds.partitioning(pa.schema([pa.field("date", pa.string())]), flavor="hive")
+    t = pds.dataset(log.impressions, format="parquet", partitioning=part).to_table()
+    i = t.schema.get_field_index("request_ts")
+    t = t.set_column(i, pa.field("request_ts", pa.timestamp("ms", tz="UTC")), t.column(i).cast(pa.timestamp("ms", tz="UTC")))
+    ts_dir = tmp_path / "ts"
+    pds.write_dataset(t, str(ts_dir), format="parquet", partitioning=part, basename_template="part-{i}.parquet")
+    M, N = WINDOWS["both"]
+    out = tmp_path / "out"
+    rc, err = run_cli(build_argv(E.EdgeLog(**{**log.__dict__, "impressions": str(ts_dir)}), out, M, N))
+    assert rc == 0, err
+    ints = builder("actions", "both")
+    cols_int = pq.read_schema(next(Path(ints.out, "samples").rglob("*.parquet"))).names
+    cols_ts = pq.read_schema(next(Path(out, "samples").rglob("*.parquet"))).names
+    assert "req__request_ts" in cols_ts and "req__request_ts" not in cols_int
+    assert "req__request_id" not in cols_ts and "req__request_id" not in cols_int
+    rc, err = run_cli(["expand", "--samples", out, "--output", tmp_path / "x"])
+    assert rc == 0, err
+    got = O.read_parquet_dir(tmp_path / "x").sort("row_uid")
+    want = expander("actions", "both").sort("row_uid")
+    assert got.columns == want.columns and got.height == want.height > 0
+    assert got.schema["request_ts"] != want.schema["request_ts"]  # a timestamp, not epoch ms
+    ms = pc.cast(got["request_ts"].to_arrow().cast(pa.timestamp("ms", tz="UTC")), pa.int64())
+    assert ms.to_pylist() == want["request_ts"].to_list()
+    assert got.drop("request_ts").equals(want.drop("request_ts"))
