@@ -15,6 +15,11 @@
    default-style collate) with the same number of workers. Reported:
    impressions delivered per second, each with its history, loader /
    point-wise (target >= 20x).
+3. petastorm (``benchmarks/petastorm_baseline.py``, run with the petastorm
+   environment's Python, ``.venv-petastorm``): ``make_batch_reader`` over the
+   same shard files, the same number of workers (at least 1), list columns
+   padded to their longest list as petastorm requires. Reported: the loader's
+   samples/s over petastorm's (``--no-petastorm`` skips it).
 
 Steady state: one loader per worker count is built and run for one warm-up
 epoch (worker start-up, first decode; reported separately as ``startup_s``),
@@ -155,8 +160,24 @@ def pointwise_rate(dl, cap_s: float) -> dict:
     return {"impressions_per_s": n / (time.perf_counter() - t), "startup_s": startup}
 
 
+PETASTORM_PY = os.path.join(REPO, ".venv-petastorm", "bin", "python")
+
+
+def petastorm_rate(root: str, workers: int, cap_s: float, python: str) -> dict:
+    """One run of benchmarks/petastorm_baseline.py over the node's shards (its own process)."""
+    import subprocess
+
+    r = subprocess.run([python, os.path.join(REPO, "benchmarks", "petastorm_baseline.py"), os.path.join(root, "node=0"),
+                        "--workers", str(max(1, workers)), "--cap-s", str(cap_s)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise SystemExit(f"petastorm baseline failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
-        zero_copy: bool = True, buffer_row_groups="auto", token_budget: int | None = None) -> dict:
+        zero_copy: bool = True, buffer_row_groups="auto", token_budget: int | None = None,
+        petastorm: str | None = None) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
     size = {"batch_size": batch_size} if token_budget is None else {"token_budget": token_budget}
@@ -176,6 +197,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     dl = pointwise_loader(pw, batch_size, workers)
     pws = [pointwise_rate(dl, cap_s) for _ in range(max(1, repeats // 2))]
     del dl
+    pts = [petastorm_rate(root, workers, cap_s, petastorm) for _ in range(2)] if petastorm else []
     lr = lds[0]
     pw_rate = statistics.median(p["impressions_per_s"] for p in pws)
     ld_imps = statistics.median(r["impressions"] / r["s"] for r in lds)
@@ -194,6 +216,11 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
         # load-independent view: CPU seconds (all processes) per pass, ceiling / loader
         "cpu_efficiency": _ratio(statistics.median(c["cpu_s"] for c in ceil), statistics.median(r["cpu_s"] for r in lds)),
         "impressions_vs_pointwise": ld_imps / pw_rate,
+        **({"petastorm": {"samples_per_s": statistics.median(p["samples_per_s"] for p in pts),
+                          "events_per_s": statistics.median(p["events_per_s"] for p in pts),
+                          "startup_s": statistics.median(p["startup_s"] for p in pts), "workers": pts[0]["workers"]},
+            "samples_vs_petastorm": lr["samples"] / steady / statistics.median(p["samples_per_s"] for p in pts)}
+           if pts else {}),
     }
 
 
@@ -214,20 +241,25 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
     k = len(series)
     wd = 0.8 / k
     colors = ["#4878d0", "#ee854a", "#6acc64", "#bbbbbb"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    peta = "samples_vs_petastorm" in series[0][1]["runs"][0]  # an earlier run without it draws no bar there
+    fig, axes = plt.subplots(1, 3 if peta else 2, figsize=(15 if peta else 10, 4))
     specs = ((axes[0], "share_of_ceiling", 0.8, "share of pyarrow ceiling\n(samples/s, events/s)", "{:.2f}"),
              (axes[1], "impressions_vs_pointwise", 20, "impressions/s vs point-wise\nDataset+DataLoader", "{:.0f}x"))
+    if peta:  # no target: petastorm is a reference, the issue's targets are the other two
+        specs += ((axes[2], "samples_vs_petastorm", None, "samples/s vs petastorm\nmake_batch_reader (padded lists)",
+                   "{:.0f}x"),)
     for ax, key, target, title, fmt in specs:
-        top = target
+        top = target or 0
         for j, (label, res) in enumerate(series):
-            by = {r["workers"]: r[key] for r in res["runs"]}
+            by = {r["workers"]: r.get(key, 0) for r in res["runs"]}
             vals = [by.get(w, 0) for w in workers]
             pos = [i - 0.4 + wd * (j + 0.5) for i in x]
             ax.bar(pos, vals, wd, color=colors[j % len(colors)], label=label)
             for px, v in zip(pos, vals):
                 ax.text(px, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
             top = max([top] + vals)
-        ax.axhline(target, ls="--", c="k", lw=1)
+        if target is not None:
+            ax.axhline(target, ls="--", c="k", lw=1)
         ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
         ax.set_xticks(x, [str(w) for w in workers])
         ax.set(title=title, xlabel="workers")
@@ -279,6 +311,8 @@ def main(argv=None) -> int:
                    help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
     p.add_argument("--buffer-row-groups", default="auto",
                    help="row groups per shuffle buffer (default: the loader's auto choice)")
+    p.add_argument("--no-petastorm", action="store_true",
+                   help="skip the petastorm baseline (it needs .venv-petastorm, made by `make setup`)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: average these runs' JSON into --json / --plot")
     a = p.parse_args(argv)
@@ -369,8 +403,13 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
     for w in a.workers:
+        peta = None
+        if not a.no_petastorm:
+            if not os.path.exists(PETASTORM_PY):
+                raise SystemExit(f"{PETASTORM_PY} missing: run `make setup`, or pass --no-petastorm")
+            peta = PETASTORM_PY
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
-                a.buffer_row_groups, a.token_budget)
+                a.buffer_row_groups, a.token_budget, peta)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
@@ -378,7 +417,9 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
               f"impressions/s {r['impressions_vs_pointwise']:.1f}x the point-wise DataLoader (target >= 20x); "
               f"start-up {r['loader']['startup_s']:.2f}s (point-wise {r['pointwise']['startup_s']:.2f}s); "
               f"CPU s ceiling/loader {r['cpu_efficiency'] or float('nan'):.2f}; {r['buffer_row_groups']} row groups per buffer; "
-              f"{r['batches_per_epoch']} batches per epoch",
+              f"{r['batches_per_epoch']} batches per epoch"
+              + (f"; samples/s {r['samples_vs_petastorm']:.1f}x petastorm ({r['petastorm']['samples_per_s']:.0f}/s, "
+                 f"{r['petastorm']['workers']} worker(s))" if "samples_vs_petastorm" in r else ""),
               flush=True)
     res["loadavg_end"] = os.getloadavg()
     return res

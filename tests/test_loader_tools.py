@@ -100,6 +100,8 @@ def test_loader_bench_runs_with_a_token_budget(tmp_path):
     want = len(UserwiseDataset(str(shards / "short"), token_budget=500, world_size=1, rank=0, verify="none"))
     assert run["batches_per_epoch"] == want > 300 * 9 // 500
     assert run["share_of_ceiling"] > 0 and run["impressions_vs_pointwise"] > 0
+    # the petastorm baseline ran over the same shards (its own environment) with one worker
+    assert run["samples_vs_petastorm"] > 0 and run["petastorm"]["workers"] == 1
 
 
 def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
