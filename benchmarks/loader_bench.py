@@ -256,7 +256,8 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
             pos = [i - 0.4 + wd * (j + 0.5) for i in x]
             ax.bar(pos, vals, wd, color=colors[j % len(colors)], label=label)
             for px, v in zip(pos, vals):
-                ax.text(px, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
+                if v:  # 0: a series without this baseline (an earlier run's JSON)
+                    ax.text(px, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
             top = max([top] + vals)
         if target is not None:
             ax.axhline(target, ls="--", c="k", lw=1)
