@@ -33,7 +33,7 @@ from petastorm import make_batch_reader  # noqa: E402
 import numpy as np  # noqa: E402
 from petastorm.transform import TransformSpec  # noqa: E402
 
-from petastorm_read import EPOCH, list_plan  # noqa: E402
+from petastorm_read import EPOCH, edit_fields, list_plan  # noqa: E402
 
 
 def padding_spec(plan):
@@ -53,11 +53,7 @@ def padding_spec(plan):
             df[c + "__len"] = lens
         return df
 
-    edit = []
-    for c, (dtype, width, _) in plan.items():
-        edit.append((c, np.str_ if dtype == object else dtype.type, (width,), False))
-        edit.append((c + "__len", np.int32, (), False))
-    return TransformSpec(func, edit_fields=edit)
+    return TransformSpec(func, edit_fields=edit_fields(plan))
 
 
 def main(argv=None) -> int:

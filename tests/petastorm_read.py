@@ -65,11 +65,17 @@ def padding_spec(plan):
             df[c + "__len"] = lens
         return df
 
+    return TransformSpec(func, edit_fields=edit_fields(plan))
+
+
+def edit_fields(plan):
+    """The TransformSpec fields of the padded columns: each list column at its width, plus
+    ``<col>__len``."""
     edit = []
     for c, (dtype, width, _) in plan.items():
         edit.append((c, np.str_ if dtype == object else dtype.type, (width,), False))
         edit.append((c + "__len", np.int32, (), False))
-    return TransformSpec(func, edit_fields=edit)
+    return edit
 
 
 def main(node_dir, out_path):

@@ -21,14 +21,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PETA_PY = os.path.join(ROOT, ".venv-petastorm", "bin", "python")
 
 
-def test_petastorm_reads_every_sample_once(tmp_path):
+def staged_node(tmp_path, *, seed, users, bot_chunks, nodes):
+    """Generated samples preshard into ``nodes`` nodes: (the samples, node 0's folder)."""
     if not os.path.exists(PETA_PY):
         pytest.fail(f"{PETA_PY} missing: run `make setup` (it builds the petastorm environment)")
-    table = make_samples(seed=2, users=20, bot_chunks=6, windows=1)
+    table = make_samples(seed=seed, users=users, bot_chunks=bot_chunks, windows=1)
     root = str(tmp_path / "S")
-    preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=2,
+    preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=nodes,
                             ranks_per_node=1, seed=1, row_group_rows=8)
-    node_dir = os.path.join(root, "node=0")
+    return table, os.path.join(root, "node=0")
+
+
+def test_petastorm_reads_every_sample_once(tmp_path):
+    table, node_dir = staged_node(tmp_path, seed=2, users=20, bot_chunks=6, nodes=2)
     out = str(tmp_path / "got.json")
     r = subprocess.run([PETA_PY, os.path.join(ROOT, "tests", "petastorm_read.py"), node_dir, out],
                        capture_output=True, text=True, timeout=300)
@@ -58,13 +63,7 @@ def test_the_petastorm_baseline_pads_like_the_tests_reader_and_reports_a_rate(tm
     list column in one numpy pass per batch: the same arrays as the row-by-row recipe of
     petastorm_read.py (which the test above proves exact), strings, dates, NaNs and empty
     lists included; and a short run reports samples and events per second."""
-    if not os.path.exists(PETA_PY):
-        pytest.fail(f"{PETA_PY} missing: run `make setup` (it builds the petastorm environment)")
-    table = make_samples(seed=3, users=30, bot_chunks=4, windows=1)
-    root = str(tmp_path / "S")
-    preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=1,
-                            ranks_per_node=1, seed=1, row_group_rows=8)
-    node_dir = os.path.join(root, "node=0")
+    table, node_dir = staged_node(tmp_path, seed=3, users=30, bot_chunks=4, nodes=1)
     check = f"""
 import glob, sys
 sys.path[:0] = [{os.path.join(ROOT, "tests")!r}, {os.path.join(ROOT, "benchmarks")!r}]
