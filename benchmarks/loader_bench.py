@@ -403,12 +403,10 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
            "loadavg_start": os.getloadavg(), "runs": []}
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
           f"{res['shard_mb']:.1f} MB of shards", flush=True)
+    peta = None if a.no_petastorm else PETASTORM_PY
+    if peta and not os.path.exists(peta):
+        raise SystemExit(f"{peta} missing: run `make setup`, or pass --no-petastorm")
     for w in a.workers:
-        peta = None
-        if not a.no_petastorm:
-            if not os.path.exists(PETASTORM_PY):
-                raise SystemExit(f"{PETASTORM_PY} missing: run `make setup`, or pass --no-petastorm")
-            peta = PETASTORM_PY
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
                 a.buffer_row_groups, a.token_budget, peta)
         res["runs"].append(r)

@@ -26,7 +26,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
@@ -50,16 +49,11 @@ def loader_epoch_cpu(ds, epoch: int) -> dict:
     acc = dict.fromkeys(PHASES, 0.0)
     acc["samples"] = 0
     pt = time.process_time
-    sh = ds.shards
     for buf in ds.plan(epoch).buffers:
         if not len(buf.rgs):
             continue
         t0 = pt()
-        runs: dict = {}
-        for g in buf.rgs:  # as UserwiseDataset.read_buffer: consecutive row groups of a file in one call
-            runs.setdefault(int(sh.rg_shard[g]), []).append(int(sh.rg_index[g]))
-        parts = [ds._file(s).read_row_groups(idx, columns=ds.columns, use_threads=False) for s, idx in runs.items()]
-        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        table = ds.read_table(buf.rgs)  # the loader's own read (read_threads is off: one thread)
         t1 = pt()
         cols = decode.from_arrow(table, "bench")
         t2 = pt()

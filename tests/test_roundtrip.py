@@ -8,6 +8,7 @@ quarantine, the report, and the samples table's invariants read straight from De
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -427,7 +428,7 @@ def test_a_timestamp_request_time_keeps_its_copy_and_both_forms_round_trip(logs,
     pds.write_dataset(t, str(ts_dir), format="parquet", partitioning=part, basename_template="part-{i}.parquet")
     M, N = WINDOWS["both"]
     out = tmp_path / "out"
-    rc, err = run_cli(build_argv(E.EdgeLog(**{**log.__dict__, "impressions": str(ts_dir)}), out, M, N))
+    rc, err = run_cli(build_argv(dataclasses.replace(log, impressions=str(ts_dir)), out, M, N))
     assert rc == 0, err
     ints = builder("actions", "both")
     cols_int = pq.read_schema(next(Path(ints.out, "samples").rglob("*.parquet"))).names

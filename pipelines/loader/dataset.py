@@ -287,26 +287,31 @@ class UserwiseDataset(IterableDataset):
         """Decode row groups into flat columns (Parquet, or GDS side files)."""
         sh = self.shards
         if self.data_path == "parquet":
-            parts, runs = [], []
-            for g in rgs:  # consecutive row groups of one file: one read call
-                s, i = int(sh.rg_shard[g]), int(sh.rg_index[g])
-                if runs and runs[-1][0] == s:
-                    runs[-1][1].append(i)
-                else:
-                    runs.append((s, [i]))
-            for s, idx in runs:
-                try:
-                    parts.append(self._file(s).read_row_groups(idx, columns=self.columns, use_threads=self.read_threads))
-                except Exception as e:  # noqa: BLE001
-                    raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({e}); re-stage this file") from None
-            table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
             where = sh.path(int(sh.rg_shard[rgs[0]]))
-            cols = decode.from_arrow(table, where)
+            cols = decode.from_arrow(self.read_table(rgs), where)
         else:
             cols = self._read_gds(rgs)
             where = sh.gds_path(int(sh.rg_shard[rgs[0]]))
         decode.check_groups(cols, where)
         return cols
+
+    def read_table(self, rgs) -> pa.Table:
+        """Row groups ``rgs`` as one Arrow table, as read (consecutive row groups of one file:
+        one read call)."""
+        sh = self.shards
+        parts, runs = [], []
+        for g in rgs:
+            s, i = int(sh.rg_shard[g]), int(sh.rg_index[g])
+            if runs and runs[-1][0] == s:
+                runs[-1][1].append(i)
+            else:
+                runs.append((s, [i]))
+        for s, idx in runs:
+            try:
+                parts.append(self._file(s).read_row_groups(idx, columns=self.columns, use_threads=self.read_threads))
+            except Exception as e:  # noqa: BLE001
+                raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({e}); re-stage this file") from None
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
     def _file(self, shard: int) -> pq.ParquetFile:
         """The open shard file, kept per process and thread (footer parsed once, not per row
