@@ -6,7 +6,8 @@ SHARDS: a node's staged shard set (for instance ``loader_bench.py --shards S`` l
 ``S/long`` and ``S/short``). Per epoch, alternating with one ceiling pass (pyarrow's
 ``read_row_group`` of every row group on one thread, nothing else), the loader's host
 path runs buffer by buffer with nothing overlapped (no read-ahead, Arrow's threads
-off) and each phase is timed with ``time.process_time``: the read (Arrow), Arrow to
+off; glibc's heap kept as in the loader's workers) and each phase is timed with
+``time.process_time``: the read (Arrow), Arrow to
 numpy (``decode.from_arrow``), the parallel-lists check, the per-buffer set-up
 (``Prepared``), the shuffle (``permuted``) and cutting the batches
 (``assemble_range``). Prints the median of each, in ms of CPU per epoch, and the
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", type=int, default=32768)
     a = p.parse_args(argv)
     from userwise.pipelines.loader import UserwiseDataset
+    from userwise.pipelines.loader.loader import keep_heap
+
+    keep_heap()  # as in the loader's worker processes, where the benchmark's epochs decode
 
     for root in a.shards:
         ds = UserwiseDataset(root, token_budget=a.token_budget, world_size=1, rank=0, verify="none", seed=1,

@@ -350,16 +350,25 @@ def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monke
         assert s1 == s2 and torch.equal(b1, b2)
 
 
-def test_shard_reads_allocate_from_the_system_pool_and_leave_the_default_alone(shardset):
-    """The loader's shard readers take the system allocator (see dataset.open_parquet);
-    the process-wide default pool is left as it was."""
-    default = pa.default_memory_pool().backend_name
-    ds = UserwiseDataset(shardset, verify="none", world_size=1, rank=0)
-    f = ds._file(0)
-    assert pa.default_memory_pool().backend_name == default
-    before = pa.system_memory_pool().bytes_allocated()
-    t = f.read_row_groups([0])
-    assert t.num_rows > 0 and pa.system_memory_pool().bytes_allocated() > before
+def test_shard_reads_allocate_from_the_chosen_pool_and_leave_the_default_alone(shardset, monkeypatch):
+    """The loader's shard readers decode into Arrow's default pool, or into the system
+    allocator with USERWISE_READ_POOL=system (see dataset.open_parquet); either way the
+    process-wide default pool is left as it was, and an unknown pool is refused when the
+    dataset is made, before any worker starts."""
+    default = pa.default_memory_pool()
+    assert default.backend_name != "system"  # else the two cases below cannot be told apart
+    for pool, expect in (("arrow", default), ("system", pa.system_memory_pool())):
+        monkeypatch.setenv("USERWISE_READ_POOL", pool)
+        ds = UserwiseDataset(shardset, verify="none", world_size=1, rank=0)
+        f = ds._file(0)
+        assert pa.default_memory_pool().backend_name == default.backend_name
+        before = expect.bytes_allocated()
+        t = f.read_row_groups([0])
+        assert t.num_rows > 0 and expect.bytes_allocated() > before, pool
+        del t
+    monkeypatch.setenv("USERWISE_READ_POOL", "jemalloc-please")
+    with pytest.raises(ValueError, match="USERWISE_READ_POOL"):
+        UserwiseDataset(shardset, verify="none", world_size=1, rank=0)
 
 
 def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(shardset, monkeypatch):

@@ -81,16 +81,32 @@ def _kvikio_compat() -> bool:
 
 _POOL_SWAP = threading.Lock()  # open_parquet's swap of the process-wide default pool
 
+# Which allocator the shard readers decode into: "arrow" (Arrow's default pool, mimalloc in
+# PyPI's wheels) or "system" (malloc). USERWISE_READ_POOL overrides it. Measured both ways
+# (docs/loader-speed-history.md): on the earlier rounds' machine mimalloc made the loader's
+# reads 10-70% slower from one epoch to the next, on the later one (AMD EPYC, pyarrow 26)
+# malloc cost 9-13% more CPU per epoch of long samples and mimalloc never degraded.
+READ_POOLS = ("arrow", "system")
 
-def open_parquet(path: str, memory_map: bool = True) -> pq.ParquetFile:
-    """A shard file whose reads allocate from the system allocator, not Arrow's default
-    (mimalloc). The loader keeps a decoded buffer alive while its batches are cut and the
-    next one is read; with mimalloc that pattern made the same read 10-70% slower from one
-    epoch to the next (freed segments given back to the OS and faulted in again), with
-    malloc it reads as fast as a plain pass. A reader takes its pool when it is opened, so
-    the default is swapped only for that moment (under a lock: read-ahead lanes open files
-    from their own threads, and two overlapping swaps could leave the system pool as the
-    process's default)."""
+
+def read_pool() -> str:
+    name = os.environ.get("USERWISE_READ_POOL", "arrow")
+    if name not in READ_POOLS:
+        raise ValueError(f"USERWISE_READ_POOL={name!r}: use one of {READ_POOLS}")
+    return name
+
+
+def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) -> pq.ParquetFile:
+    """A shard file whose reads allocate from ``pool`` (default :func:`read_pool`): "arrow"
+    (the process's default pool) or "system" (malloc). A reader takes its pool when it is
+    opened, so for "system" the default is swapped only for that moment (under a lock:
+    read-ahead lanes open files from their own threads, and two overlapping swaps could leave
+    the system pool as the process's default)."""
+    pool = read_pool() if pool is None else pool
+    if pool == "arrow":
+        return pq.ParquetFile(path, memory_map=memory_map)
+    if pool != "system":
+        raise ValueError(f"pool must be one of {READ_POOLS}, got {pool!r}")
     with _POOL_SWAP:
         old = pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
@@ -184,6 +200,7 @@ class UserwiseDataset(IterableDataset):
         self._keep_cache = None
         self.read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
         self.memory_map = True  # staged shards are local files: map them instead of copying through read()
+        self.read_pool = read_pool()  # checked here, before any worker starts
 
     # -- data path ---------------------------------------------------------------
     def _choose_path(self, gds) -> str:
@@ -322,7 +339,7 @@ class UserwiseDataset(IterableDataset):
         key = (threading.get_ident(), shard)
         f = self._files.get(key)
         if f is None:
-            f = self._files[key] = open_parquet(self.shards.path(shard), self.memory_map)
+            f = self._files[key] = open_parquet(self.shards.path(shard), self.memory_map, self.read_pool)
         return f
 
     def _read_pool(self) -> ThreadPoolExecutor:
