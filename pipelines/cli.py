@@ -97,6 +97,8 @@ def _preshard_args(p):
     p.add_argument("--row-group-mb", type=float, default=128.0,
                    help="also cut a row group at this much (estimated uncompressed) data")
     p.add_argument("--compression", default="zstd", help="zstd | none | snappy (all columns)")
+    p.add_argument("--dictionary", choices=["all", "scalars"], default="all",
+                   help="dictionary-encode every column (default) or only the scalar ones (lists plain)")
     p.add_argument("--layout", choices=["parquet", "gds"], default="parquet")
     p.add_argument("--seed", type=int, default=0)
     _common_spark(p)

@@ -98,9 +98,10 @@ DEFAULT_SETS = (
 
 def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=DEFAULT_SETS, seed: int = 0,
                     row_group_rows: int = 8, gds: bool = False, uneven: bool = True, compression: str = "zstd",
-                    **sample_kw) -> dict:
+                    dictionary: str = "all", **sample_kw) -> dict:
     """Write a shard set under ``root`` (node=k/shard-NNNNN.parquet + manifest.json, last)."""
     from userwise.pipelines import gds as gdsmod
+    from userwise.pipelines.preshard import PARQUET_OPTIONS, parse_dictionary
 
     lay = layout()
     tschema = schemas.shard_schema(lay)
@@ -128,7 +129,8 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
             n_shard += 1
             path = os.path.join(root, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            pq.write_table(part, path, row_group_size=row_group_rows, compression=compression)
+            pq.write_table(part, path, row_group_size=row_group_rows, compression=compression,  # as preshard writes
+                           use_dictionary=parse_dictionary(dictionary, part.schema), **PARQUET_OPTIONS)
             md = pq.ParquetFile(path).metadata
             entry = {
                 "path": rel, "node": node, "rank": rank, "rows": part.num_rows,

@@ -205,21 +205,48 @@ def test_window_without_samples_gives_an_empty_set_the_loader_reads_as_zero_batc
             assert list(UserwiseLoader(ds)) == []
 
 
-def test_parquet_properties(built):
+def _dictionary_columns(path: str) -> tuple[set, set]:
+    """(leaf columns with a dictionary page in every row group, leaf columns without one in any)."""
+    md = pq.ParquetFile(path).metadata
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    has = [[md.row_group(g).column(i).has_dictionary_page for g in range(md.num_row_groups)]
+           for i in range(md.num_columns)]
+    return {n for n, h in zip(names, has) if all(h)}, {n for n, h in zip(names, has) if not any(h)}
+
+
+def test_parquet_properties(built, tmp_path):
+    """Row groups, codec, statistics and the format in the footer; every column
+    dictionary-encoded by default (lists too: docs/loader-speed-history.md, session 17),
+    only the scalar ones with --dictionary scalars, which the manifest records."""
     d, table, out, m = built
     s = m["shards"][0]
     md = pq.ParquetFile(os.path.join(out, s["path"])).metadata
     names = [md.schema.column(i).path for i in range(md.num_columns)]
+    lists = {n for n in names if n.endswith(".list.element")}
+    assert lists and len(lists) < len(names)
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         assert rg.num_rows <= 8
         for i in range(md.num_columns):
             c = rg.column(i)
             assert c.compression == "ZSTD" and c.is_stats_set
-            if names[i].endswith(".list.element"):
-                assert not c.has_dictionary_page, names[i]
+    assert m["dictionary"] == "all" and _dictionary_columns(os.path.join(out, s["path"]))[0] == set(names)
     sch = pq.read_schema(os.path.join(out, s["path"]))
     assert sch.metadata[b"userwise.format_version"] == str(schemas.FORMAT_VERSION).encode() and b"userwise.roles" in sch.metadata
+
+    m2 = preshard.preshard_arrow(table, str(tmp_path / "P"), schema=schemas.shard_schema(layout()).to_arrow(),
+                                 **KW, dictionary="scalars")
+    assert m2["dictionary"] == "scalars" and mf.load(str(tmp_path / "P"))["dictionary"] == "scalars"
+    for sh in m2["shards"]:
+        if sh["rows"]:
+            dict_cols, plain_cols = _dictionary_columns(os.path.join(tmp_path, "P", sh["path"]))
+            assert dict_cols == set(names) - lists and plain_cols == lists, sh["path"]
+    # the same rows either way
+    a, b = read_all(out, m), read_all(str(tmp_path / "P"), m2)
+    assert a.keys() == b.keys() and all(a[k].equals(b[k]) for k in a)
+    with pytest.raises(UserwiseError, match="--dictionary"):
+        preshard.preshard_arrow(table, str(tmp_path / "Q"), schema=schemas.shard_schema(layout()).to_arrow(),
+                                **KW, dictionary="lists")
 
 
 def test_plain_readers(built):
