@@ -90,6 +90,7 @@ READ_POOLS = ("arrow", "system")
 
 
 def read_pool() -> str:
+    """The shard readers' pool for datasets made now: ``USERWISE_READ_POOL``, default "arrow"."""
     name = os.environ.get("USERWISE_READ_POOL", "arrow")
     if name not in READ_POOLS:
         raise ValueError(f"USERWISE_READ_POOL={name!r}: use one of {READ_POOLS}")
