@@ -291,3 +291,32 @@ def test_output_with_foreign_files_refused(tmp_path):
     with pytest.raises(UserwiseError, match="not a shard set"):
         preshard.preshard_arrow(make_samples(users=3, bot_chunks=1, windows=1), str(tmp_path / "O"),
                                 schema=schemas.shard_schema(layout()).to_arrow(), nodes=1, ranks_per_node=1)
+
+
+def test_benchmark_shards_are_written_like_preshards(built, tmp_path):
+    """The loader benchmark's shards (tests/shardgen.py) carry preshard's Parquet settings:
+    the same codec, dictionary pages, statistics and format per column, so the benchmark
+    measures the decode that preshard's shards cost."""
+    from .shardgen import write_shard_set
+
+    d, table, out, m = built
+
+    def settings(path):
+        md = pq.ParquetFile(path).metadata
+        cols = {}
+        for i in range(md.num_columns):
+            c = md.row_group(0).column(i)
+            cols[md.schema.column(i).path] = (c.compression, c.has_dictionary_page, c.is_stats_set)
+        return md.format_version, cols
+
+    ref_version, ref = settings(os.path.join(out, next(s["path"] for s in m["shards"] if s["rows"])))
+    for dictionary in ("all", "scalars"):
+        root = str(tmp_path / dictionary)
+        bm = write_shard_set(root, nodes=1, ranks_per_node=1, dictionary=dictionary)
+        version, got = settings(os.path.join(root, bm["shards"][0]["path"]))
+        assert version == ref_version
+        shared = sorted(set(got) & set(ref))
+        assert len(shared) > 10
+        want = ref if dictionary == "all" else {  # the lists plain, the rest as preshard writes it
+            c: (z, has and not c.endswith(".list.element"), st) for c, (z, has, st) in ref.items()}
+        assert {c: got[c] for c in shared} == {c: want[c] for c in shared}, dictionary
