@@ -192,10 +192,11 @@ def test_window_without_samples_gives_an_empty_set_the_loader_reads_as_zero_batc
     d, *_ = built
     rc = cli.main(["preshard", "--samples", d, "--output", str(tmp_path / "E"), "--nodes", str(NODES),
                    "--ranks-per-node", str(RANKS), "--kind", "incremental", "--window", "2027-02-10",
-                   "--window-days", "2"])
+                   "--window-days", "2", "--dictionary", "scalars"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["sets"][0]["rows"] == 0
     e = mf.load(str(tmp_path / "E"))
+    assert e["dictionary"] == "scalars"  # the flag reaches the writer's settings
     assert [(s["id"], s["window_start"], s["window_end"]) for s in e["sets"]] == [
         ("incremental/2027-02-10", "2027-02-08", "2027-02-10")]
     assert len(e["shards"]) == NODES * RANKS and all(s["rows"] == 0 for s in e["shards"])
