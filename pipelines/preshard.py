@@ -674,7 +674,7 @@ def cli(args) -> int:
                  target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
                  row_group_mb=getattr(args, "row_group_mb", 128.0), compression=args.compression,
                  layout=args.layout, seed=args.seed, window_days=getattr(args, "window_days", None),
-                 dictionary=getattr(args, "dictionary", "all"))
+                 dictionary=args.dictionary)
     print(format_report(m["_report"]), file=sys.stderr)
     print(json.dumps(m["_report"]))
     return 0
