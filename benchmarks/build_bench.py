@@ -9,10 +9,14 @@ Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
 
 1. ``userwise synth --kinds fat`` writes the fat-row log (not timed);
 2. the floor: ``spark.read`` the same log and write it back as Parquet;
+   two references, not targets: the floor plus one shuffle by user
+   (``shuffle_run``), and the least plan that writes the requests and samples
+   tables as Delta (``skeleton_run``: one shuffle, two aggregations, none of
+   the build's checks, stitching, pointers or chunks);
 3. the build: ``userwise.pipelines.build.build(spark, cfg, ...)`` in-process
    (as-of = the day after the log, the last day an incremental window, the
    days before it pretrain);
-   floor and build alternate, ``--reps`` times; the minimum of each is reported.
+   floor, references and build alternate, ``--reps`` times; the minimum of each is reported.
    Target: build <= 2x floor, and seconds per impression flat over the sizes.
 4. bytes: the fat-row log rewritten in training order (rows shuffled, zstd
    Parquet via pyarrow) vs the samples table's data files; decoded in memory:
@@ -225,6 +229,33 @@ def shuffle_run(spark, log_path: str, out: str, user_col: str, time_col: str) ->
                      lambda df: df.repartition(user_col).sortWithinPartitions(user_col, time_col))
 
 
+def skeleton_run(spark, cfg, log_path: str, out: str) -> float:
+    """A reference, not a target: the least plan that writes the two tables every build has to
+    aggregate, as Delta, with one shuffle of the fat rows (by user; both aggregations reuse it).
+    ``requests``: a request's impressions collected and sorted, its first snapshot, a count;
+    ``samples``: a user's requests collected and sorted. None of the build's checks, quarantine,
+    stitching, pointers, chunks, history, windows or report: whatever a build adds to this is
+    work point 1 of the issue asks for, so this is the least a build's time can be."""
+    from pyspark.sql import functions as F
+
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    user, req = cfg.col("user"), cfg.col("request")
+    df = spark.read.option("basePath", log_path).parquet(log_path).repartition(user)
+    snap = list(cfg.sequence.values())
+    imp = [c for c in df.columns if c not in snap and c not in (user, req)]
+    g = df.groupBy(user, req).agg(F.sort_array(F.collect_list(F.struct(*imp))).alias("imps"),
+                                  F.first(F.struct(*snap)).alias("snap"), F.count(F.lit(1)).alias("num_imps"))
+    g = g.cache()
+    try:
+        g.write.format("delta").save(os.path.join(out, "requests"))
+        s = g.groupBy(user).agg(F.sort_array(F.collect_list(F.struct(req, "imps", "snap"))).alias("requests"))
+        s.write.format("delta").save(os.path.join(out, "samples"))
+    finally:
+        g.unpersist()
+    return time.perf_counter() - t
+
+
 def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:
     from userwise.pipelines.build import build
 
@@ -291,6 +322,9 @@ def plot(res: dict, path: str) -> None:
     a1.plot(sizes, [r["floor_s"] for r in res["sizes"]], "s-", label="floor (read + write Parquet)")
     if all("shuffle_s" in r for r in res["sizes"]):
         a1.plot(sizes, [r["shuffle_s"] for r in res["sizes"]], "^-", label="floor + one shuffle by user")
+    if all("skeleton_s" in r for r in res["sizes"]):
+        a1.plot(sizes, [r["skeleton_s"] for r in res["sizes"]], "v-",
+                label="least plan: requests + samples as Delta")
     a1.plot(sizes, [2 * r["floor_s"] for r in res["sizes"]], ":", color="gray", label="target: 2x floor")
     a1.set_xlabel("impressions (fat rows)")
     a1.set_ylabel("seconds")
@@ -377,11 +411,12 @@ def main(argv=None) -> int:
         log_path = os.path.join(d, "log", "fat")
         cfg = C.load(os.path.join(d, "log", "config_fat.yaml"))
         rows_in = sum(s["rows"]["fat"].values())
-        floors, shuffles, builds, steps, rep = [], [], [], None, None
+        floors, shuffles, skeletons, builds, steps, rep = [], [], [], [], None, None
         for k in range(args.reps):
             floors.append(floor_run(spark, log_path, os.path.join(d, "floor")))
             shuffles.append(shuffle_run(spark, log_path, os.path.join(d, "shuffle"), cfg.col("user"),
                                         cfg.col("request_time")))
+            skeletons.append(skeleton_run(spark, cfg, log_path, os.path.join(d, "skeleton")))
             st = Steps(spark, ui)
             st.prefix = f"n{n}-r{k}-"
             el, rep = build_run(spark, cfg, log_path, os.path.join(d, "build"), as_of, args.days, st)
@@ -395,6 +430,7 @@ def main(argv=None) -> int:
             "bot_impressions": None, "floor_s": round(min(floors), 2), "build_s": round(min(builds), 2),
             "floor_all_s": [round(x, 2) for x in floors], "build_all_s": [round(x, 2) for x in builds],
             "shuffle_s": round(min(shuffles), 2), "shuffle_all_s": [round(x, 2) for x in shuffles],
+            "skeleton_s": round(min(skeletons), 2), "skeleton_all_s": [round(x, 2) for x in skeletons],
             "samples": rep["samples"], "requests": rep["requests"], "steps": steps.summary(), "bytes": b,
         }
         import pyarrow.compute as pc
@@ -407,7 +443,9 @@ def main(argv=None) -> int:
         row["floor_us_per_imp"] = round(row["floor_s"] / rows_in * 1e6, 1)
         rows.append(row)
         row["shuffle_ratio"] = round(row["shuffle_s"] / row["floor_s"], 2)
+        row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
         print(f"  {rows_in:>9,} impressions: floor {row['floor_s']:7.1f} s, one shuffle {row['shuffle_s']:7.1f} s, "
+              f"least plan {row['skeleton_s']:7.1f} s ({row['skeleton_ratio']:.2f}x), "
               f"build {row['build_s']:7.1f} s, build/floor {row['ratio']:.1f}x", flush=True)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
@@ -418,11 +456,11 @@ def main(argv=None) -> int:
     for r in rows:
         r["per_imp_vs_smallest"] = round(r["build_us_per_imp"] / base, 2)
     print()
-    print(f"{'impressions':>12} {'bot share':>9} {'floor s':>8} {'build s':>8} {'build/floor':>11} "
-          f"{'us/imp build':>12} {'vs smallest':>11} {'us/imp floor':>12}")
+    print(f"{'impressions':>12} {'bot share':>9} {'floor s':>8} {'least plan s':>12} {'build s':>8} "
+          f"{'build/floor':>11} {'us/imp build':>12} {'vs smallest':>11} {'us/imp floor':>12}")
     for r in rows:
         print(f"{r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>9.1%} {r['floor_s']:>8.1f} "
-              f"{r['build_s']:>8.1f} {r['ratio']:>10.1f}x {r['build_us_per_imp']:>12.1f} "
+              f"{r['skeleton_s']:>12.1f} {r['build_s']:>8.1f} {r['ratio']:>10.1f}x {r['build_us_per_imp']:>12.1f} "
               f"{r['per_imp_vs_smallest']:>11.2f} {r['floor_us_per_imp']:>12.1f}")
     print("\nsteps of the build (largest size):")
     print(f"{'step':>16} {'calls':>5} {'wall s':>7} {'share':>6} {'jobs':>5} {'stages':>6} {'tasks':>6} {'exec s':>7}")
