@@ -10,7 +10,8 @@ off; glibc's heap kept as in the loader's workers) and each phase is timed with
 ``time.process_time``: the read (Arrow), Arrow to
 numpy (``decode.from_arrow``), the parallel-lists check, the per-buffer set-up
 (``Prepared``), the shuffle (``permuted``) and cutting the batches
-(``assemble_range``). Prints the median of each, in ms of CPU per epoch, and the
+(``assemble_range``); and, for scale, one bare element gather of every value in the
+epoch's order (``gather_cpu``). Prints the median of each, in ms of CPU per epoch, and the
 loader's total as a multiple of the ceiling (0.8 of the ceiling needs at most 1.25x
 with both sides bound by the same cores).
 """
@@ -72,6 +73,46 @@ def loader_epoch_cpu(ds, epoch: int) -> dict:
     return acc
 
 
+def gather_cpu(ds, epoch: int) -> float:
+    """What moving every value once in the epoch's sample order costs by element gathers alone,
+    with nothing else timed. Per buffer (read, decoded and indexed untimed): one ``np.take`` of
+    every fixed-width value array by its element indexes into a buffer allocated beforehand,
+    and for strings one take of their lengths plus one contiguous copy of their bytes. No
+    Arrow-to-numpy, checks, index building or batches. Next to the phases it says how much of
+    the shuffle is the gathers themselves; for long lists the loader's run copies beat it."""
+    import numpy as np
+    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader.batch import _np_ranges
+
+    total = 0.0
+    for buf in ds.plan(epoch).buffers:
+        if not len(buf.rgs):
+            continue
+        cols = decode.from_arrow(ds.read_table(buf.rgs), "bench")
+        perm = np.asarray(buf.perm, np.int64)
+        work = []
+        for c in cols.values():
+            e = perm
+            if c.offsets is not None:
+                off = np.asarray(c.offsets, np.int64)
+                e = _np_ranges(off[perm], off[perm + 1] - off[perm])
+            if c.str_offsets is not None:
+                ln = np.diff(np.asarray(c.str_offsets, np.int64))
+                v = np.asarray(c.values)
+                work += [(ln, e, np.ones(len(e), ln.dtype)), (v, None, np.ones_like(v))]
+            else:
+                v = np.asarray(c.values)
+                work.append((v, e, np.ones(len(e), v.dtype)))
+        t = time.process_time()
+        for v, e, out in work:  # into buffers allocated (and touched) before the clock starts
+            if e is None:
+                np.copyto(out, v)
+            else:
+                np.take(v, e, out=out, mode="clip")
+        total += time.process_time() - t
+    return total
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="the loader's CPU per phase on one thread, next to the pyarrow ceiling")
     p.add_argument("shards", nargs="+")
@@ -88,7 +129,7 @@ def main(argv=None) -> int:
                              device="cpu")
         ds.read_threads = False
         loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
-        rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total",)}
+        rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}
         samples = set()
         for ep in range(a.epochs):
             rows["ceiling"].append(ceiling_cpu(root))
@@ -97,10 +138,12 @@ def main(argv=None) -> int:
             for k, v in acc.items():
                 rows[k].append(v)
             rows["total"].append(sum(acc.values()))
+            rows["gather"].append(gather_cpu(ds, ep))
         med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
         print(f"{root}: {'/'.join(map(str, sorted(samples)))} samples per epoch; ms of CPU per epoch (median of {a.epochs}) "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
-              + f"; loader / ceiling {med['total'] / med['ceiling']:.2f}x")
+              + f"; loader / ceiling {med['total'] / med['ceiling']:.2f}x"
+              + f"; (ceiling + gather alone) / ceiling {(med['ceiling'] + med['gather']) / med['ceiling']:.2f}x")
     return 0
 
 
