@@ -115,6 +115,7 @@ def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip().splitlines()[-1]
     assert " 60 samples per epoch" in line
-    for k in ("ceiling", "read", "from_arrow", "check", "prepared", "shuffle", "cut", "total"):
+    for k in ("ceiling", "read", "from_arrow", "check", "prepared", "shuffle", "cut", "total", "gather"):
         assert re.search(rf"\b{k} \d+\.\d", line), (k, line)
     assert float(re.search(r"loader / ceiling (\d+\.\d+)x", line).group(1)) > 0
+    assert float(re.search(r"\(ceiling \+ gather alone\) / ceiling (\d+\.\d+)x", line).group(1)) >= 1
