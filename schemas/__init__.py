@@ -19,6 +19,7 @@ from .layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
 from .tables import (
     HISTORY_LOG,
     MANIFEST_KEYS,
+    MANIFEST_SET_KEYS,
     MANIFEST_SHARD,
     QUARANTINE,
     SYNTH_ACTIONS,

@@ -122,9 +122,6 @@ MANIFEST_SHARD = TableSchema(
 
 MANIFEST_KEYS = {
     "format_version": "int: the shard format version",
-    "kind": "incremental | pretrain",
-    "window_start": "YYYY-MM-DD",
-    "window_end": "YYYY-MM-DD (exclusive)",
     "nodes": "int",
     "ranks_per_node": "int",
     "seed": "int",
@@ -136,8 +133,20 @@ MANIFEST_KEYS = {
     "schema": "the Arrow schema as a list of [name, type, nullable]",
     "roles": "the layout's roles (column names by role)",
     "source": "{'table': samples path, 'version': Delta version}",
-    "balance": "{'rank_cost': [...], 'rank_rows': [...], 'max_dev': float}",
-    "shards": "list of MANIFEST_SHARD rows",
+    "sets": "list of MANIFEST_SET_KEYS entries, in training order",
+    "shards": "list of MANIFEST_SHARD rows (each with its set's id as 'set')",
+}
+
+MANIFEST_SET_KEYS = {
+    "id": "kind/window_end, e.g. incremental/2026-01-02",
+    "kind": "incremental | pretrain",
+    "window_start": "YYYY-MM-DD",
+    "window_end": "YYYY-MM-DD (exclusive)",
+    "rows": "int: samples in the set",
+    "cost": "int: events + impressions in the set",
+    "shards_per_rank": "int",
+    "balance": "{'rank_cost': [...], 'rank_rows': [...], 'max_dev': float, 'within_bound': bool, "
+               "'max_sample_cost': int}",
 }
 
 

@@ -44,6 +44,9 @@ def read_all(root, m):
 def test_manifest_contract(built, spark):
     d, table, out, m = built
     assert mf.load(out) == {k: v for k, v in m.items() if k != "_report"}
+    # the documented keys (schemas.MANIFEST_KEYS / MANIFEST_SET_KEYS) are exactly the written ones
+    assert set(mf.load(out)) == set(schemas.MANIFEST_KEYS)
+    assert all(set(s) == set(schemas.MANIFEST_SET_KEYS) for s in m["sets"])
     assert m["format_version"] == schemas.FORMAT_VERSION
     assert m["schema_fingerprint"] == schemas.shard_schema(layout()).fingerprint()
     assert m["roles"] == layout().roles()
