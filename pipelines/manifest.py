@@ -22,14 +22,16 @@ import posixpath
 
 import pyarrow.fs as pafs
 
-from userwise.schemas import MANIFEST_SHARD
+from userwise.schemas import MANIFEST_KEYS, MANIFEST_SHARD
 from userwise.schemas.core import SchemaError, check_version, schema_fingerprint
 
 from .errors import ShardError
 
 MANIFEST = "manifest.json"
-REQUIRED = ("format_version", "nodes", "ranks_per_node", "seed", "layout", "schema_fingerprint",
-            "schema", "roles", "source", "sets", "shards")
+# Every documented key but the writer settings added later (compression, dictionary and
+# row_group_rows are informational: a manifest without them still loads).
+INFORMATIONAL = ("compression", "dictionary", "row_group_rows")
+REQUIRED = tuple(k for k in MANIFEST_KEYS if k not in INFORMATIONAL)
 CHUNK = 4 << 20
 
 
