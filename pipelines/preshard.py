@@ -672,8 +672,8 @@ def cli(args) -> int:
     m = preshard(spark, samples=args.samples, output=args.output, nodes=args.nodes,
                  ranks_per_node=args.ranks_per_node, kind=args.kind, window=args.window,
                  target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
-                 row_group_mb=getattr(args, "row_group_mb", 128.0), compression=args.compression,
-                 layout=args.layout, seed=args.seed, window_days=getattr(args, "window_days", None),
+                 row_group_mb=args.row_group_mb, compression=args.compression,
+                 layout=args.layout, seed=args.seed, window_days=args.window_days,
                  dictionary=args.dictionary)
     print(format_report(m["_report"]), file=sys.stderr)
     print(json.dumps(m["_report"]))
