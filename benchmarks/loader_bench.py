@@ -3,6 +3,7 @@
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128 | --token-budget 32768] [--workers 0 1 2]
                                       [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
                                       [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
+                                      [--batch-order stored|shuffled]
     python benchmarks/loader_bench.py --merge run1.json run2.json --json mean.json [--plot ...] [--before ...]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
@@ -177,12 +178,12 @@ def petastorm_rate(root: str, workers: int, cap_s: float, python: str) -> dict:
 
 def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
         zero_copy: bool = True, buffer_row_groups="auto", token_budget: int | None = None,
-        petastorm: str | None = None) -> dict:
+        petastorm: str | None = None, batch_order: str = "stored") -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
     size = {"batch_size": batch_size} if token_budget is None else {"token_budget": token_budget}
     ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", device=device, gds=False,
-                         buffer_row_groups=buffer_row_groups, **size)
+                         buffer_row_groups=buffer_row_groups, batch_order=batch_order, **size)
     ld = UserwiseLoader(ds, num_workers=workers, device=device, zero_copy=zero_copy)
     warm = loader_epoch(ld)  # worker start-up + first decode
     ceil, lds, pairs = [], [], []
@@ -204,6 +205,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
     ceil_s = statistics.median(c["s"] for c in ceil)
     return {
         "workers": workers, "device": device, "zero_copy": zero_copy, "buffer_row_groups": ds.buffer_row_groups,
+        "batch_order": batch_order,
         "batches_per_epoch": len(ld),
         "loader": {"samples_per_s": lr["samples"] / steady, "events_per_s": lr["events"] / steady,
                    "impressions_per_s": ld_imps, "epoch_s": [r["s"] for r in lds],
@@ -312,6 +314,8 @@ def main(argv=None) -> int:
                    help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
     p.add_argument("--buffer-row-groups", default="auto",
                    help="row groups per shuffle buffer (default: the loader's auto choice)")
+    p.add_argument("--batch-order", choices=["stored", "shuffled"], default="stored",
+                   help="the order of samples inside a batch (the loader's batch_order; default its own)")
     p.add_argument("--no-petastorm", action="store_true",
                    help="skip the petastorm baseline (it needs .venv-petastorm, made by `make setup`)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
@@ -408,7 +412,7 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
         raise SystemExit(f"{peta} missing: run `make setup`, or pass --no-petastorm")
     for w in a.workers:
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
-                a.buffer_row_groups, a.token_budget, peta)
+                a.buffer_row_groups, a.token_budget, peta, a.batch_order)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "

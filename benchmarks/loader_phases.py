@@ -1,6 +1,7 @@
 """Where the loader's CPU goes, on one thread, next to its ceiling (not part of the tests).
 
     python benchmarks/loader_phases.py SHARDS [SHARDS ...] [--epochs 8] [--token-budget 32768]
+                                       [--batch-order stored|shuffled]
 
 SHARDS: a node's staged shard set (for instance ``loader_bench.py --shards S`` leaves
 ``S/long`` and ``S/short``). Per epoch, alternating with one ceiling pass (pyarrow's
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("shards", nargs="+")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=32768)
+    p.add_argument("--batch-order", choices=["stored", "shuffled"], default="stored",
+                   help="the order of samples inside a batch (the loader's batch_order)")
     a = p.parse_args(argv)
     from userwise.pipelines.loader import UserwiseDataset
     from userwise.pipelines.loader.loader import keep_heap
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
 
     for root in a.shards:
         ds = UserwiseDataset(root, token_budget=a.token_budget, world_size=1, rank=0, verify="none", seed=1,
-                             device="cpu")
+                             device="cpu", batch_order=a.batch_order)
         ds.read_threads = False
         loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
         rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}

@@ -147,6 +147,35 @@ def test_same_seed_same_batches_epochs_differ(shardset):
     assert [x[1] for x in a] != [x[1] for x in c]
 
 
+def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
+    """The default ``batch_order="stored"`` draws the same batches as ``"shuffled"`` (same
+    samples per batch, same cuts, same row groups) and only sorts each batch by row; the
+    loader's batches then hold the buffer's rows in that order."""
+    kw = dict(batch_size=8, verify="none", world_size=1, rank=0, seed=4, device="cpu")
+    st = UserwiseDataset(shardset, **kw)
+    sh = UserwiseDataset(shardset, batch_order="shuffled", **kw)
+    for epoch in (0, 1):
+        unsorted = 0
+        for bs, bd in zip(st.plan(epoch).buffers, sh.plan(epoch).buffers, strict=True):
+            assert bs.rgs.tolist() == bd.rgs.tolist() and bs.bounds.tolist() == bd.bounds.tolist()
+            for k in range(bs.num_batches):
+                x, y = bs.perm[bs.bounds[k]: bs.bounds[k + 1]], bd.perm[bd.bounds[k]: bd.bounds[k + 1]]
+                assert (np.diff(x) > 0).all()
+                assert sorted(y.tolist()) == x.tolist()
+                unsorted += bool((np.diff(y) < 0).any())
+        assert unsorted  # "shuffled" keeps an order that is not the stored one
+    got = [b.numpy("sample_id").tolist() for b in st.batches(epoch=0)]
+    want = []
+    for buf in st.plan(0).buffers:
+        ids = np.asarray(st.read_table(buf.rgs)["sample_id"])
+        want += [ids[buf.perm[buf.bounds[k]: buf.bounds[k + 1]]].tolist() for k in range(buf.num_batches)]
+    assert got == want
+    drawn = [b.numpy("sample_id").tolist() for b in sh.batches(epoch=0)]
+    assert [sorted(x) for x in drawn] == [sorted(x) for x in got] and drawn != got
+    with pytest.raises(ValueError, match="batch_order"):
+        UserwiseDataset(shardset, batch_order="random", **kw)
+
+
 def test_token_budget_never_exceeded_except_single_oversize_sample(shardset):
     budget = 60
     ds = UserwiseDataset(shardset, token_budget=budget, verify="none", world_size=2, rank=0)

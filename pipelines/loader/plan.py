@@ -3,7 +3,11 @@
 Every rank computes the plan of every rank of its node from metadata alone,
 so all agree without communication: which row groups a rank reads, in what
 order, how samples are shuffled within a buffer of row groups, and where the
-batches are cut. Ranks with less work cut more, smaller batches so that every
+batches are cut. Which samples form a batch is what the shuffle draws; inside a
+batch they come in stored order by default (``batch_order="stored"``: preshard
+already wrote each shard in a seeded hash order, so that order says nothing of
+the samples), which lets the loader's copies stream through memory instead of
+jumping to a random sample each time. ``"shuffled"`` keeps the drawn order. Ranks with less work cut more, smaller batches so that every
 rank has the same number of batches in every set (no sample dropped or
 repeated; a rank with fewer samples than batches gets empty batches).
 """
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+# the order of the samples inside one batch (the batch's samples are the same either way)
+BATCH_ORDERS = ("stored", "shuffled")
 
 
 def rng(seed: int, *keys: int) -> np.random.Generator:
@@ -118,6 +125,16 @@ def cut(costs: np.ndarray, batch_size: int | None, token_budget: int | None) -> 
     return np.array(bounds, int)
 
 
+def stored_order(buf: Buffer) -> None:
+    """Each batch of ``buf`` with its samples in stored (row) order: the same samples per
+    batch, sorted inside it (one vectorised sort per buffer)."""
+    n = len(buf.perm)
+    if n < 2:
+        return
+    batch = np.repeat(np.arange(buf.num_batches), np.diff(buf.bounds))
+    buf.perm = buf.perm[np.lexsort((buf.perm, batch))]
+
+
 def equalize(buffers: list[Buffer], target: int) -> None:
     """Split the largest batches in half until the buffers hold ``target`` batches;
     pad with empty batches when there are fewer samples than batches."""
@@ -145,13 +162,16 @@ def equalize(buffers: list[Buffer], target: int) -> None:
 
 
 def plan_node(*, rg_rows, rg_set, rg_owner, keep, costs, sets, world, epoch, seed, shuffle, buffer_rgs,
-              batch_size, token_budget, targets=None) -> tuple[list[RankPlan], dict[int, int]]:
+              batch_size, token_budget, targets=None, batch_order="stored") -> tuple[list[RankPlan], dict[int, int]]:
     """Plans of every rank of the node for one epoch, and the batches per set.
 
     keep: per row group a bool mask of kept rows, or None (all). costs: per row
     group the sample costs (token budget only). targets: set -> batch count to
     reach (e.g. after a cross-node max); default the max over this node's ranks.
+    batch_order: "stored" (each batch's samples sorted by row) or "shuffled" (as drawn).
     """
+    if batch_order not in BATCH_ORDERS:
+        raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
     plans = {r: [] for r in range(world)}
     natural: dict[int, int] = {}
     for s in sets:
@@ -179,6 +199,9 @@ def plan_node(*, rg_rows, rg_set, rg_owner, keep, costs, sets, world, epoch, see
         target = natural[s] if targets is None else max(natural[s], targets.get(s, 0))
         for r in range(world):
             equalize(per_rank[r], target)
+            if shuffle and batch_order == "stored":
+                for b in per_rank[r]:
+                    stored_order(b)
             plans[r] += per_rank[r]
     out_targets = {s: (natural[s] if targets is None else max(natural[s], targets.get(s, 0))) for s in sets}
     return [RankPlan(epoch, r, world, plans[r]) for r in range(world)], out_targets
