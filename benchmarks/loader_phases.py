@@ -1,7 +1,7 @@
 """Where the loader's CPU goes, on one thread, next to its ceiling (not part of the tests).
 
     python benchmarks/loader_phases.py SHARDS [SHARDS ...] [--epochs 8] [--token-budget 32768]
-                                       [--batch-order stored|shuffled]
+                                       [--batch-order stored|shuffled] [--buffer-row-groups auto|N]
 
 SHARDS: a node's staged shard set (for instance ``loader_bench.py --shards S`` leaves
 ``S/long`` and ``S/short``). Per epoch, alternating with one ceiling pass (pyarrow's
@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", type=int, default=32768)
     p.add_argument("--batch-order", choices=["stored", "shuffled"], default="stored",
                    help="the order of samples inside a batch (the loader's batch_order)")
+    p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
     a = p.parse_args(argv)
     from userwise.pipelines.loader import UserwiseDataset
     from userwise.pipelines.loader.loader import keep_heap
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
 
     for root in a.shards:
         ds = UserwiseDataset(root, token_budget=a.token_budget, world_size=1, rank=0, verify="none", seed=1,
-                             device="cpu", batch_order=a.batch_order)
+                             device="cpu", batch_order=a.batch_order,
+                             buffer_row_groups=a.buffer_row_groups if a.buffer_row_groups == "auto" else int(a.buffer_row_groups))
         ds.read_threads = False
         loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
         rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}
