@@ -3,13 +3,15 @@
 Every rank computes the plan of every rank of its node from metadata alone,
 so all agree without communication: which row groups a rank reads, in what
 order, how samples are shuffled within a buffer of row groups, and where the
-batches are cut. Which samples form a batch is what the shuffle draws; inside a
-batch they come in stored order by default (``batch_order="stored"``: preshard
-already wrote each shard in a seeded hash order, so that order says nothing of
-the samples), which lets the loader's copies stream through memory instead of
-jumping to a random sample each time. ``"shuffled"`` keeps the drawn order. Ranks with less work cut more, smaller batches so that every
+batches are cut. Ranks with less work cut more, smaller batches so that every
 rank has the same number of batches in every set (no sample dropped or
 repeated; a rank with fewer samples than batches gets empty batches).
+
+Which samples form a batch is what the shuffle draws; inside a batch they come
+in stored order by default (``batch_order="stored"``: preshard already wrote
+each shard in a seeded hash order, so that order says nothing of the samples),
+which lets the loader's gathers stream through memory instead of jumping to a
+random sample each time. ``"shuffled"`` keeps the drawn order.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Buffer:
 
     set_idx: int
     rgs: np.ndarray      # global row-group ids, in read order
-    perm: np.ndarray     # row indices into the concatenated row groups (kept rows only, shuffled)
+    perm: np.ndarray     # row indices into the concatenated row groups (kept rows only, shuffled;
+                         # each batch's slice sorted under batch_order="stored")
     bounds: np.ndarray   # batch b = perm[bounds[b]:bounds[b+1]]
 
     @property
