@@ -176,6 +176,31 @@ def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
         UserwiseDataset(shardset, batch_order="random", **kw)
 
 
+def test_the_next_epoch_is_planned_while_the_workers_read(shardset, monkeypatch):
+    """With workers, the trainer plans epoch e + 1 right after it sends epoch e's plan; the
+    next epoch then starts from that plan (the same batches as planning it then), and where
+    planning takes a collective nothing is planned ahead."""
+    kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
+    calls = []
+    real = UserwiseDataset.plans
+    monkeypatch.setattr(UserwiseDataset, "plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
+    ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2)
+    _batches(ld)
+    assert calls == [0, 1]
+    second = _batches(ld)
+    assert calls == [0, 1, 2]
+    alone = UserwiseLoader(UserwiseDataset(shardset, **kw))
+    alone.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    assert second == _batches(alone)
+    calls.clear()
+    monkeypatch.setattr(UserwiseDataset, "_spans_nodes", lambda self: True)
+    monkeypatch.setattr(UserwiseDataset, "_cross_node_targets", lambda self, targets: targets)  # as if agreed
+    _batches(ld)  # epoch 2 was planned ahead; epoch 3 is not
+    assert calls == []
+    _batches(ld)
+    assert calls == [3]
+
+
 def test_token_budget_never_exceeded_except_single_oversize_sample(shardset):
     budget = 60
     ds = UserwiseDataset(shardset, token_budget=budget, verify="none", world_size=2, rank=0)

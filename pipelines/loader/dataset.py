@@ -289,20 +289,45 @@ class UserwiseDataset(IterableDataset):
             plans, _ = plan_node(**kw, targets=agreed)
         return plans
 
-    def _cross_node_targets(self, targets: dict) -> dict:
+    def _spans_nodes(self) -> bool:
+        """Planning an epoch takes one all-reduce (torch.distributed spans more ranks than this
+        node's, and ``all_reduce_targets``)."""
         d = torch.distributed
-        if not (self.all_reduce_targets and d.is_available() and d.is_initialized() and d.get_world_size() > self.world_size):
+        return bool(self.all_reduce_targets and d.is_available() and d.is_initialized()
+                    and d.get_world_size() > self.world_size)
+
+    def _cross_node_targets(self, targets: dict) -> dict:
+        if not self._spans_nodes():
             return targets
+        d = torch.distributed
         t = torch.tensor([targets[s] for s in self.set_idx], dtype=torch.long)
         d.all_reduce(t, op=d.ReduceOp.MAX)
         return {s: int(v) for s, v in zip(self.set_idx, t.tolist())}
 
     def plan(self, epoch: int | None = None) -> RankPlan:
-        """This rank's plan (cached per epoch)."""
+        """This rank's plan (cached per epoch; a plan made ahead for the next epoch is kept)."""
         epoch = self.epoch if epoch is None else int(epoch)
+        p = self._plans.get(epoch)
+        if p is None:
+            p = self.plans(epoch)[self.rank]
+            self._plans = {e: q for e, q in self._plans.items() if e == epoch + 1}
+            self._plans[epoch] = p
+        return p
+
+    def plan_ahead(self, epoch: int) -> bool:
+        """Plan ``epoch`` now and keep it with the current one: the loader calls this for the
+        next epoch while its workers read their first buffers, so the next epoch does not
+        start with the trainer planning (2 ms for 40,000 samples) and every worker waiting.
+        Not where planning takes a collective (ranks on other nodes must plan at the same
+        point in their programs). Returns whether the plan is ready."""
+        epoch = int(epoch)
         if epoch not in self._plans:
-            self._plans = {epoch: self.plans(epoch)[self.rank]}
-        return self._plans[epoch]
+            if self._spans_nodes():
+                return False
+            p = self.plans(epoch)[self.rank]
+            self._plans = {e: q for e, q in self._plans.items() if e == epoch - 1}
+            self._plans[epoch] = p
+        return True
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

@@ -440,6 +440,7 @@ class UserwiseLoader:
                 pool.cmd[w].send((plan, start, k))
             except OSError:  # it exited between epochs: the wait for its first batch reports it
                 pass
+        ds.plan_ahead(epoch + 1)  # while the workers read their first buffers (the trainer waits anyway)
         alloc = self._alloc() or _host_alloc
         # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
         # batches in slots page-locked with cudaHostRegister (copied to the device from there)
