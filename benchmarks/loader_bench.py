@@ -358,15 +358,19 @@ def write(out: dict, a) -> int:
 def merge(runs: list[dict]) -> dict:
     """The mean of several bench runs of the same profiles and worker counts: every number
     averaged (a run's medians, rates, CPU ratios); lists (pairs, epoch and pass times)
-    concatenated; ``runs_averaged`` says how many."""
+    concatenated; ``runs_averaged`` says how many. A figure only some runs have (petastorm's,
+    from runs without ``--no-petastorm``) is the mean of those that have it."""
     def avg(xs):
+        have = [x for x in xs if x is not None]
+        if len(have) < len(xs) and have:  # measured in some runs only
+            return avg(have)
         x0 = xs[0]
         if isinstance(x0, (bool, int, str)) or x0 is None:  # labels and counts: must agree
             if any(x != x0 for x in xs):
                 raise SystemExit(f"--merge: runs differ in {x0!r} vs {[x for x in xs if x != x0][0]!r}")
             return x0
         if isinstance(x0, dict):
-            return {k: avg([x[k] for x in xs]) for k in x0}
+            return {k: avg([x.get(k) for x in xs]) for k in x0}
         if isinstance(x0, list):
             return [y for x in xs for y in x]
         return statistics.fmean(xs)
