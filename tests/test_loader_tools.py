@@ -72,6 +72,19 @@ def test_loader_bench_merge_averages_runs(tmp_path):
     assert w["workers"] == 1 and w["buffer_row_groups"] == 2
     assert abs(w["share_of_ceiling"] - 0.7) < 1e-9 and abs(w["cpu_efficiency"] - 0.8) < 1e-9
     assert w["share_of_ceiling_pairs"] == [0.5, 0.7, 0.9, 0.7]
+    # petastorm's figures from the runs that measured it (the others ran --no-petastorm)
+    with_p = [run(0.6, 0.7, [0.5]), run(0.8, 0.9, [0.9]), run(0.7, 0.8, [0.7])]
+    with_p[0]["profiles"]["long"]["runs"][0].update(samples_vs_petastorm=9.0, petastorm={"samples_per_s": 2.0})
+    with_p[1]["profiles"]["long"]["runs"][0].update(samples_vs_petastorm=None, petastorm=None)
+    with_p[2]["profiles"]["long"]["runs"][0].update(samples_vs_petastorm=11.0, petastorm={"samples_per_s": 4.0})
+    for f, r in zip(files + [tmp_path / "r2.json"], with_p):
+        f.write_text(json.dumps(r))
+    r = subprocess.run([sys.executable, bench, "--merge", *map(str, files), str(tmp_path / "r2.json"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (w,) = json.loads(out.read_text())["profiles"]["long"]["runs"]
+    assert abs(w["samples_vs_petastorm"] - 10.0) < 1e-9 and abs(w["petastorm"]["samples_per_s"] - 3.0) < 1e-9
+    assert abs(w["share_of_ceiling"] - 0.7) < 1e-9
     # runs of different worker counts are not averaged into one
     bad = run(0.6, 0.7, [0.5])
     bad["profiles"]["long"]["runs"][0]["workers"] = 2
