@@ -51,6 +51,7 @@ sys.path.insert(0, REPO)
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
 
 
 def ceiling(root: str, columns=None) -> dict:
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
                    help="off: workers' batches are copied out of their shared-memory ring (the loader before zero_copy)")
     p.add_argument("--buffer-row-groups", default="auto",
                    help="row groups per shuffle buffer (default: the loader's auto choice)")
-    p.add_argument("--batch-order", choices=["stored", "shuffled"], default="stored",
+    p.add_argument("--batch-order", choices=BATCH_ORDERS, default=BATCH_ORDERS[0],
                    help="the order of samples inside a batch (the loader's batch_order; default its own)")
     p.add_argument("--no-petastorm", action="store_true",
                    help="skip the petastorm baseline (it needs .venv-petastorm, made by `make setup`)")

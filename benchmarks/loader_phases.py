@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
 
 PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("shards", nargs="+")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=32768)
-    p.add_argument("--batch-order", choices=["stored", "shuffled"], default="stored",
+    p.add_argument("--batch-order", choices=BATCH_ORDERS, default=BATCH_ORDERS[0],
                    help="the order of samples inside a batch (the loader's batch_order)")
     p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
     a = p.parse_args(argv)

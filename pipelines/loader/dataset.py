@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import gds as gdsmod
 from ..errors import ShardError
 from . import decode
-from .plan import BATCH_ORDERS, RankPlan, assign, plan_node, user_unit
+from .plan import RankPlan, assign, check_batch_order, plan_node, user_unit
 from .shards import NodeShards, open_node
 
 log = logging.getLogger("userwise.loader")
@@ -177,9 +177,7 @@ class UserwiseDataset(IterableDataset):
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         self.batch_size, self.token_budget = batch_size, token_budget
         self.seed, self.shuffle = int(seed), bool(shuffle)
-        if batch_order not in BATCH_ORDERS:
-            raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
-        self.batch_order = batch_order
+        self.batch_order = check_batch_order(batch_order)
         if buffer_row_groups == "auto":
             buffer_row_groups = auto_buffer_row_groups(self.shards.rg_rows, self.shards.rg_bytes)
         elif isinstance(buffer_row_groups, str) or int(buffer_row_groups) < 1:
@@ -309,9 +307,7 @@ class UserwiseDataset(IterableDataset):
         epoch = self.epoch if epoch is None else int(epoch)
         p = self._plans.get(epoch)
         if p is None:
-            p = self.plans(epoch)[self.rank]
-            self._plans = {e: q for e, q in self._plans.items() if e == epoch + 1}
-            self._plans[epoch] = p
+            p = self._keep_plan(epoch, self.plans(epoch)[self.rank])
         return p
 
     def plan_ahead(self, epoch: int) -> bool:
@@ -324,10 +320,15 @@ class UserwiseDataset(IterableDataset):
         if epoch not in self._plans:
             if self._spans_nodes():
                 return False
-            p = self.plans(epoch)[self.rank]
-            self._plans = {e: q for e, q in self._plans.items() if e == epoch - 1}
-            self._plans[epoch] = p
+            self._keep_plan(epoch, self.plans(epoch)[self.rank])
         return True
+
+    def _keep_plan(self, epoch: int, plan: RankPlan) -> RankPlan:
+        """Cache ``plan``, with the plans of the epochs next to it (the current one, or one
+        made ahead) and no others."""
+        self._plans = {e: q for e, q in self._plans.items() if abs(e - epoch) == 1}
+        self._plans[epoch] = plan
+        return plan
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

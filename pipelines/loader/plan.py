@@ -27,6 +27,14 @@ M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 BATCH_ORDERS = ("stored", "shuffled")
 
 
+def check_batch_order(batch_order: str) -> str:
+    """``batch_order`` if it is one of :data:`BATCH_ORDERS` (the dataset checks it once, when
+    it is made; :func:`plan_node` takes it as checked)."""
+    if batch_order not in BATCH_ORDERS:
+        raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
+    return batch_order
+
+
 def rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, *[int(k) & 0xFFFFFFFF for k in keys]])
 
@@ -177,8 +185,6 @@ def plan_node(*, rg_rows, rg_set, rg_owner, keep, costs, sets, world, epoch, see
     reach (e.g. after a cross-node max); default the max over this node's ranks.
     batch_order: "stored" (each batch's samples sorted by row) or "shuffled" (as drawn).
     """
-    if batch_order not in BATCH_ORDERS:
-        raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
     plans = {r: [] for r in range(world)}
     natural: dict[int, int] = {}
     for s in sets:
