@@ -1,6 +1,6 @@
 """Where the loader's CPU goes, on one thread, next to its ceiling (not part of the tests).
 
-    python benchmarks/loader_phases.py SHARDS [SHARDS ...] [--epochs 8] [--token-budget 32768]
+    python benchmarks/loader_phases.py SHARDS [SHARDS ...] [--epochs 8] [--token-budget 32768 | --batch-size 128]
                                        [--batch-order stored|shuffled] [--buffer-row-groups auto|N]
 
 SHARDS: a node's staged shard set (for instance ``loader_bench.py --shards S`` leaves
@@ -119,7 +119,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="the loader's CPU per phase on one thread, next to the pyarrow ceiling")
     p.add_argument("shards", nargs="+")
     p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--token-budget", type=int, default=32768)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--token-budget", type=int, default=None, help="tokens per batch (the default: 32768)")
+    size.add_argument("--batch-size", type=int, default=None,
+                      help="samples per batch instead (loader_bench.py's default cut is 128 samples)")
     p.add_argument("--batch-order", choices=BATCH_ORDERS, default=BATCH_ORDERS[0],
                    help="the order of samples inside a batch (the loader's batch_order)")
     p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
@@ -129,8 +132,9 @@ def main(argv=None) -> int:
 
     keep_heap()  # as in the loader's worker processes, where the benchmark's epochs decode
 
+    size = {"batch_size": a.batch_size} if a.batch_size else {"token_budget": a.token_budget or 32768}
     for root in a.shards:
-        ds = UserwiseDataset(root, token_budget=a.token_budget, world_size=1, rank=0, verify="none", seed=1,
+        ds = UserwiseDataset(root, **size, world_size=1, rank=0, verify="none", seed=1,
                              device="cpu", batch_order=a.batch_order,
                              buffer_row_groups=a.buffer_row_groups if a.buffer_row_groups == "auto" else int(a.buffer_row_groups))
         ds.read_threads = False
@@ -146,7 +150,7 @@ def main(argv=None) -> int:
             rows["total"].append(sum(acc.values()))
             rows["gather"].append(gather_cpu(ds, ep))
         med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
-        print(f"{root}: {'/'.join(map(str, sorted(samples)))} samples per epoch; ms of CPU per epoch (median of {a.epochs}) "
+        print(f"{root} ({', '.join(f'{k} {v}' for k, v in size.items())}): {'/'.join(map(str, sorted(samples)))} samples per epoch; ms of CPU per epoch (median of {a.epochs}) "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
               + f"; loader / ceiling {med['total'] / med['ceiling']:.2f}x"
               + f"; (ceiling + gather alone) / ceiling {(med['ceiling'] + med['gather']) / med['ceiling']:.2f}x")

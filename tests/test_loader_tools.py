@@ -132,3 +132,92 @@ def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
         assert re.search(rf"\b{k} \d+\.\d", line), (k, line)
     assert float(re.search(r"loader / ceiling (\d+\.\d+)x", line).group(1)) > 0
     assert float(re.search(r"\(ceiling \+ gather alone\) / ceiling (\d+\.\d+)x", line).group(1)) >= 1
+
+
+def _least_loader():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("least_loader", os.path.join(REPO, "benchmarks", "least_loader.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_least_loader_gathers_write_pyarrows_take_of_the_batch(staged):
+    """The least-loader benchmark's two gathers move exactly the batch's values: both write the
+    bytes of pyarrow's own ``take`` of the batch's rows (offsets rebased to 0), laid out per
+    group as offsets, numeric columns by dtype, then strings. A bound that dropped or mixed up
+    values would be no bound."""
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ll = _least_loader()
+    man = json.load(open(os.path.join(staged, "manifest.json")))
+    pf = pq.ParquetFile(os.path.join(staged, man["shards"][0]["path"]))
+    table = pf.read_row_groups([1, 2])
+    cols = ll.wrap(table)
+    idx = np.sort(np.random.default_rng(3).choice(table.num_rows, 13, replace=False))
+    taken = table.take(pa.array(idx))
+
+    want, written, pos = np.zeros(1 << 20, np.uint8), np.zeros(1 << 20, bool), 0
+
+    def lay(a: np.ndarray, valid=None) -> None:
+        nonlocal pos
+        pos = (pos + 63) // 64 * 64
+        b = np.ascontiguousarray(a).view(np.uint8)
+        want[pos: pos + len(b)] = b
+        # a null's value is whatever the buffer holds (the least loaders carry no validity)
+        written[pos: pos + len(b)] = True if valid is None else np.repeat(valid, a.itemsize)
+        pos += len(b)
+
+    groups: dict = {}
+    for name in table.column_names:
+        t = table.schema.field(name).type
+        g = name.split("_")[0] if pa.types.is_list(t) else "sample"
+        groups.setdefault(g, []).append(name)
+    for g, names in groups.items():
+        arrs = {n: taken.column(n).combine_chunks() for n in names}
+        if g != "sample":
+            lay(np.asarray(arrs[names[0]].offsets, np.int64) - arrs[names[0]].offsets[0].as_py())
+        flat = {n: (a.flatten() if g != "sample" else a) for n, a in arrs.items()}
+        num = [n for n in names if not pa.types.is_string(flat[n].type)]
+        for dt in dict.fromkeys(cols[n][2].dtype.str for n in num):
+            for n in num:
+                if cols[n][2].dtype.str == dt:
+                    f = flat[n]
+                    lay(f.fill_null(0).to_numpy(zero_copy_only=False).astype(cols[n][2].dtype),
+                        None if not f.null_count else np.asarray(f.is_valid().to_pylist(), bool))
+        for n in names:
+            if pa.types.is_string(flat[n].type):
+                strs = [x.encode() for x in flat[n].to_pylist()]
+                lay(np.concatenate([[0], np.cumsum([len(x) for x in strs])]).astype(np.int64))
+                lay(np.frombuffer(b"".join(strs), np.uint8))
+    assert written[:pos].sum() > 13 * len(table.column_names)
+    for gather in (ll.TakeGather(), ll.CompiledGather()):
+        slot = np.full(1 << 20, 7, np.uint8)  # a filler that no unwritten byte can pass for
+        used = gather(gather.prepare(cols), idx, slot)
+        assert used == pos, type(gather).__name__
+        w = written[:pos]  # the arrays (not the alignment padding between them)
+        assert np.array_equal(slot[:pos][w], want[:pos][w]), type(gather).__name__
+
+
+def test_least_loader_runs_every_mode_next_to_the_ceiling(tmp_path):
+    """A tiny real run: every mode (read only, both least loaders, the loader) delivers every
+    sample of the node each epoch (the script checks) and gets a share of the ceiling."""
+    import json
+
+    out = tmp_path / "least.json"
+    bench = os.path.join(REPO, "benchmarks", "least_loader.py")
+    r = subprocess.run([sys.executable, bench, "--shards", str(tmp_path / "shards"), "--profiles", "short",
+                        "--samples", "300", "--workers", "1", "--repeats", "1", "--token-budget", "500",
+                        "--json", str(out), "--plot", str(tmp_path / "least.png")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (run,) = json.loads(out.read_text())["profiles"]["short"]
+    assert run["workers"] == 1 and run["samples"] == 300
+    for m in ("read", "take", "compiled", "loader"):
+        assert run[f"{m}_share"] > 0 and run[f"{m}_epoch_ms"] > 0, m
+    assert (tmp_path / "least.png").stat().st_size > 0
