@@ -1,7 +1,8 @@
 """How close to the pyarrow ceiling any loader can come here (not part of the tests).
 
-    python benchmarks/least_loader.py [--shards DIR] [--profiles short long] [--workers 1 2]
-                                      [--repeats 12] [--token-budget 32768] [--json out.json]
+    python benchmarks/least_loader.py [--shards DIR] [--profiles short long] [--workers 1 2] [--samples N]
+                                      [--repeats 12] [--token-budget 32768] [--json out.json] [--plot out.png]
+    python benchmarks/least_loader.py --merge run1.json run2.json --json mean.json [--plot out.png]
 
 ``loader_bench.py`` measures the loader against pyarrow reading the same files and nothing
 else (target: 0.8 of it). This script asks what the least a loader must do costs on the same
@@ -395,7 +396,17 @@ def main(argv=None) -> int:
                    help="samples of a shard set made here (default: loader_bench.py's, 40000 short and 32000 long)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a bar chart (PNG) of the shares here")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: average these runs' medians into --json / --plot")
     a = p.parse_args(argv)
+    if a.merge:
+        out = merge([json.load(open(f)) for f in a.merge])
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        if a.plot:
+            plot(out, a.plot)
+        return 0
     import tempfile
 
     base = a.shards or tempfile.mkdtemp(prefix="least-loader-")
@@ -421,6 +432,22 @@ def main(argv=None) -> int:
     if a.plot:
         plot(out, a.plot)
     return 0
+
+
+def merge(runs: list) -> dict:
+    """The mean of each figure over runs (per profile and worker count); every run's pairs kept."""
+    out = {"cpus": runs[0]["cpus"], "token_budget": runs[0]["token_budget"], "runs_averaged": len(runs), "profiles": {}}
+    for prof, first in runs[0]["profiles"].items():
+        merged = []
+        for i, r0 in enumerate(first):
+            rs = [r["profiles"][prof][i] for r in runs]
+            if any(r["workers"] != r0["workers"] for r in rs):
+                raise SystemExit(f"{prof}: the runs measured different worker counts")
+            m = {k: statistics.mean(r[k] for r in rs) for k in r0 if k.endswith(("_share", "_epoch_ms"))}
+            merged.append({"workers": r0["workers"], "samples": r0["samples"], **m,
+                           "pairs": {k: [x for r in rs for x in r["pairs"][k]] for k in r0["pairs"]}})
+        out["profiles"][prof] = merged
+    return out
 
 
 def plot(out: dict, path: str) -> None:

@@ -221,3 +221,23 @@ def test_least_loader_runs_every_mode_next_to_the_ceiling(tmp_path):
     for m in ("read", "take", "compiled", "loader"):
         assert run[f"{m}_share"] > 0 and run[f"{m}_epoch_ms"] > 0, m
     assert (tmp_path / "least.png").stat().st_size > 0
+
+
+def test_least_loader_merge_averages_runs():
+    """--merge: each figure is the mean over runs per profile and worker count; pairs are pooled."""
+    ll = _least_loader()
+
+    def run(share, ms):
+        return {"cpus": 2, "token_budget": 8, "profiles": {"short": [
+            {"workers": 1, "samples": 10, **{f"{m}_share": share for m in ll.MODES},
+             **{f"{m}_epoch_ms": ms for m in ll.MODES}, "pairs": {m: [share] for m in ll.MODES}}]}}
+
+    (got,) = ll.merge([run(0.6, 50.0), run(0.8, 70.0)])["profiles"]["short"]
+    assert got["workers"] == 1 and got["samples"] == 10
+    for m in ll.MODES:
+        assert abs(got[f"{m}_share"] - 0.7) < 1e-12 and abs(got[f"{m}_epoch_ms"] - 60.0) < 1e-12
+        assert got["pairs"][m] == [0.6, 0.8]
+    other = run(0.6, 50.0)
+    other["profiles"]["short"][0]["workers"] = 2
+    with pytest.raises(SystemExit, match="different worker counts"):
+        ll.merge([run(0.6, 50.0), other])
