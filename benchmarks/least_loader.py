@@ -400,13 +400,7 @@ def main(argv=None) -> int:
                    help="run nothing: average these runs' medians into --json / --plot")
     a = p.parse_args(argv)
     if a.merge:
-        out = merge([json.load(open(f)) for f in a.merge])
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
-        if a.plot:
-            plot(out, a.plot)
-        return 0
+        return write(merge([json.load(open(f)) for f in a.merge]), a)
     import tempfile
 
     base = a.shards or tempfile.mkdtemp(prefix="least-loader-")
@@ -426,6 +420,11 @@ def main(argv=None) -> int:
             print(f"{prof}, {w} worker(s), {r['samples']} samples, median of {a.repeats} paired epochs: "
                   + "; ".join(f"{k} {r[f'{k}_epoch_ms']:.1f} ms = {r[f'{k}_share']:.2f} of the ceiling"
                               for k in MODES), flush=True)
+    return write(out, a)
+
+
+def write(out: dict, a) -> int:
+    """The results to --json and --plot (where given)."""
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
