@@ -54,7 +54,7 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from loader_bench import PROFILES, ceiling  # noqa: E402
+from loader_bench import PROFILES, ceiling, shard_set  # noqa: E402
 
 MODES = ("read", "take", "compiled", "loader")
 SLOTS = 4  # batches a worker holds ready (the loader's worker_queue)
@@ -299,7 +299,7 @@ class Least:
 
     def __init__(self, mode: str, files: list, budget: int, workers: int, slot_bytes: int):
         ctx = mp.get_context("fork")
-        self.files, self.budget, self.workers, self.mode = files, budget, workers, mode
+        self.files, self.workers, self.mode = files, workers, mode
         self.pipes, self.procs = [], []
         for w in range(workers):
             sub = shared_memory.SharedMemory(create=True, size=SLOTS * slot_bytes)
@@ -403,23 +403,18 @@ def main(argv=None) -> int:
         return write(merge([json.load(open(f)) for f in a.merge]), a)
     import tempfile
 
-    base = a.shards or tempfile.mkdtemp(prefix="least-loader-")
     out = {"cpus": len(os.sched_getaffinity(0)), "token_budget": a.token_budget, "profiles": {}}
-    for prof in a.profiles:
-        root = os.path.join(base, prof)
-        if not os.path.exists(os.path.join(root, "manifest.json")):
-            from tests.shardgen import write_shard_set
-
-            n = a.samples or (40000 if prof == "short" else 32000)
-            write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=2048,
-                            sets=(("incremental", "2026-01-04", "2026-01-05", n),), **PROFILES[prof])
-        out["profiles"][prof] = []
-        for w in a.workers:
-            r = bench(root, w, a.repeats, a.token_budget)
-            out["profiles"][prof].append(r)
-            print(f"{prof}, {w} worker(s), {r['samples']} samples, median of {a.repeats} paired epochs: "
-                  + "; ".join(f"{k} {r[f'{k}_epoch_ms']:.1f} ms = {r[f'{k}_share']:.2f} of the ceiling"
-                              for k in MODES), flush=True)
+    with tempfile.TemporaryDirectory(prefix="least-loader-") as tmp:
+        for prof in a.profiles:
+            root = os.path.join(a.shards or tmp, prof)
+            shard_set(prof, root, a.samples)
+            out["profiles"][prof] = []
+            for w in a.workers:
+                r = bench(root, w, a.repeats, a.token_budget)
+                out["profiles"][prof].append(r)
+                print(f"{prof}, {w} worker(s), {r['samples']} samples, median of {a.repeats} paired epochs: "
+                      + "; ".join(f"{k} {r[f'{k}_epoch_ms']:.1f} ms = {r[f'{k}_share']:.2f} of the ceiling"
+                                  for k in MODES), flush=True)
     return write(out, a)
 
 

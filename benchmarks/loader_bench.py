@@ -287,6 +287,17 @@ PROFILES = {
     # the unit tests' tiny samples (~9 events each): a stress case for per-buffer overhead
     "short": dict(max_seq_len=20, max_events=120, event_scale=8.0),
 }
+SAMPLES = {"long": 32000, "short": 40000}  # per profile by default: about 63 and 12 MB of shards
+
+
+def shard_set(prof: str, root: str, n: int | None = None, row_group_rows: int = 2048) -> None:
+    """The profile's shard set of ``n`` samples (default :data:`SAMPLES`) under ``root``, made
+    unless one is there already (benchmarks reuse it with ``--shards``)."""
+    from tests.shardgen import write_shard_set
+
+    if not os.path.exists(os.path.join(root, "manifest.json")):
+        write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=row_group_rows,
+                        sets=(("incremental", "2026-01-04", "2026-01-05", n or SAMPLES[prof]),), **PROFILES[prof])
 
 
 def main(argv=None) -> int:
@@ -333,7 +344,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for prof in a.profiles:
             root = os.path.join(a.shards or tmp, prof)
-            n = a.samples or (32000 if prof == "long" else 40000)
+            n = a.samples or SAMPLES[prof]
             npw = a.pointwise_samples or (300 if prof == "long" else 3000)
             res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
             out["profiles"][prof] = res
@@ -387,12 +398,9 @@ def merge(runs: list[dict]) -> dict:
 
 
 def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
-    from tests.shardgen import write_shard_set
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
 
-    if not os.path.exists(os.path.join(root, "manifest.json")):
-        write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=a.row_group_rows,
-                        sets=(("incremental", "2026-01-04", "2026-01-05", n),), **PROFILES[prof])
+    shard_set(prof, root, n, a.row_group_rows)
     ds = UserwiseDataset(root, batch_size=256, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
     parts, k = [], 0
     for b in UserwiseLoader(ds):  # the point-wise file: the same data, as many rows as npw samples give
