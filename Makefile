@@ -47,7 +47,7 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no test" >&2; exit 1; fi; exit $$rc
 
 demo: setup
-	$(BIN)/python -m userwise.pipelines.demo --output $(DEMO)
+	$(BIN)/python -m userwise.pipelines.tools.demo --output $(DEMO)
 
 bench: setup
 	$(BIN)/python benchmarks/build_bench.py

@@ -131,7 +131,7 @@ def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: d
 
 def _auto_jars() -> str | None:
     try:
-        from userwise.pipelines import jars
+        from userwise.pipelines.runtime import jars
     except ImportError:
         return None
     got = jars.cached_jars()

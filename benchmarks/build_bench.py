@@ -13,7 +13,7 @@ Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
    (``shuffle_run``), and the least plan that writes the requests and samples
    tables as Delta (``skeleton_run``: one shuffle, two aggregations, none of
    the build's checks, stitching, pointers or chunks);
-3. the build: ``userwise.pipelines.build.build(spark, cfg, ...)`` in-process
+3. the build: ``userwise.pipelines.build.range.build(spark, cfg, ...)`` in-process
    (as-of = the day after the log, the last day an incremental window, the
    days before it pretrain);
    floor, references and build alternate, ``--reps`` times; the minimum of each is reported.
@@ -153,7 +153,7 @@ class Steps:
 
     @contextlib.contextmanager
     def installed(self):
-        from userwise.pipelines import build as B
+        from userwise.pipelines.build import range as B
 
         saved = {n: getattr(B, n) for n in self.NAMES if hasattr(B, n)}
         saved["History"] = B.History
@@ -209,7 +209,7 @@ class Steps:
 # The measured pieces
 # ---------------------------------------------------------------------------
 def make_log(out: str, impressions: int, days: int, L: int, seed: int, params=None) -> dict:
-    from userwise.pipelines.synth import synth
+    from userwise.pipelines.tools.synth import synth
 
     return synth(out, days=days, impressions=impressions, max_seq_len=L, kinds=("fat",), seed=seed,
                  params=params, log=io.StringIO())
@@ -258,7 +258,7 @@ def skeleton_run(spark, cfg, log_path: str, out: str) -> float:
 
 
 def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:
-    from userwise.pipelines.build import build
+    from userwise.pipelines.build.range import build
 
     shutil.rmtree(out, ignore_errors=True)
     ctx = steps.installed() if steps else contextlib.nullcontext()
@@ -283,7 +283,7 @@ def dir_bytes(path: str) -> int:
 
 def byte_report(log_path: str, build_out: str, workdir: str, seed: int) -> dict:
     """Fat rows in training order vs user-wise samples: on disk and decoded in memory."""
-    from userwise.pipelines.inputs import arrow_dataset
+    from userwise.pipelines.build.inputs import arrow_dataset
 
     fat = arrow_dataset(log_path).to_table()
     perm = np.random.default_rng(seed).permutation(fat.num_rows)
@@ -376,11 +376,11 @@ def main(argv=None) -> int:
         raise SystemExit("--days must be at least 2 (pretrain days + one incremental window)")
     sizes = [int(int(s) * args.scale) for s in args.sizes.split(",")]
 
-    from userwise.pipelines import config as C
-    from userwise.pipelines.spark import get_spark
-    from userwise.pipelines.synth import SynthParams
-
     import datetime as dt
+
+    from userwise.pipelines import config as C
+    from userwise.pipelines.runtime.spark import get_spark
+    from userwise.pipelines.tools.synth import SynthParams
 
     work = args.workdir or tempfile.mkdtemp(prefix="build-bench-")
     os.makedirs(work, exist_ok=True)
@@ -435,7 +435,8 @@ def main(argv=None) -> int:
             "samples": rep["samples"], "requests": rep["requests"], "steps": steps.summary(), "bytes": b,
         }
         import pyarrow.compute as pc
-        from userwise.pipelines.inputs import arrow_dataset
+
+        from userwise.pipelines.build.inputs import arrow_dataset
 
         uid = arrow_dataset(log_path).to_table(columns=["user_id"])["user_id"]
         row["bot_impressions"] = int(pc.sum(pc.equal(uid, s["bot_user_id"])).as_py())

@@ -34,9 +34,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     from userwise.pipelines import config as C
-    from userwise.pipelines import delta_io
-    from userwise.pipelines.build import du
-    from userwise.pipelines.spark import get_spark
+    from userwise.pipelines.build.range import du
+    from userwise.pipelines.runtime import delta_io
+    from userwise.pipelines.runtime.spark import get_spark
 
     work = a.workdir or tempfile.mkdtemp(prefix="codec-ab-")
     spark = get_spark(ui=False)

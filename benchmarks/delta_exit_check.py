@@ -9,7 +9,7 @@ the ways alternating, each read the filtered table once and exit:
 
 - ``delta-rs fs``: ``DeltaTable.to_pyarrow_dataset()`` with its default
   filesystem (delta-rs' ``DeltaStorageHandler`` behind ``pyarrow.fs.PyFileSystem``);
-- ``pyarrow fs``: ``userwise.pipelines.delta_io.dataset`` (the same files,
+- ``pyarrow fs``: ``userwise.pipelines.runtime.delta_io.dataset`` (the same files,
   read through pyarrow's own filesystem: what the jobs use);
 - ``write``: ``delta_io.write_small`` then ``delta_io.read_small`` (the
   bookkeeping tables' path).

@@ -51,6 +51,7 @@ sys.path.insert(0, REPO)
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+
 from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
 
 

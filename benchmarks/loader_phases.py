@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+
 from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
 
 PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
@@ -83,6 +84,7 @@ def gather_cpu(ds, epoch: int) -> float:
     Arrow-to-numpy, checks, index building or batches. Next to the phases it says how much of
     the shuffle is the gathers themselves; for long lists the loader's run copies beat it."""
     import numpy as np
+
     from userwise.pipelines.loader import decode
     from userwise.pipelines.loader.batch import _np_ranges
 

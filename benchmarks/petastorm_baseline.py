@@ -28,11 +28,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from petastorm import make_batch_reader  # noqa: E402
-
 import numpy as np  # noqa: E402
+from petastorm import make_batch_reader  # noqa: E402
 from petastorm.transform import TransformSpec  # noqa: E402
-
 from petastorm_read import EPOCH, edit_fields, list_plan  # noqa: E402
 
 

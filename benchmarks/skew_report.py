@@ -81,13 +81,13 @@ def main(argv=None) -> int:
 
     import pyarrow.compute as pc
 
-    from userwise.pipelines import buildmeta, daily
     from userwise.pipelines import config as C
-    from userwise.pipelines.build import build
-    from userwise.pipelines.history import events_between
-    from userwise.pipelines.inputs import arrow_dataset
-    from userwise.pipelines.spark import get_spark
-    from userwise.pipelines.synth import synth
+    from userwise.pipelines.build import build_record, daily
+    from userwise.pipelines.build.history import events_between
+    from userwise.pipelines.build.inputs import arrow_dataset
+    from userwise.pipelines.build.range import build
+    from userwise.pipelines.runtime.spark import get_spark
+    from userwise.pipelines.tools.synth import synth
 
     work = args.workdir or tempfile.mkdtemp(prefix="skew-report-")
     log_dir, out = os.path.join(work, "log"), os.path.join(work, "build")
@@ -116,9 +116,9 @@ def main(argv=None) -> int:
     rows = task_skew(spark)
 
     # The chunking step's plan: the pretrain samples of the build just made (not written).
-    _, layout, _ = buildmeta.load(out)
+    _, layout, _ = build_record.load(out)
     boundary = as_of - dt.timedelta(days=args.days - 1)
-    from userwise.pipelines import delta_io
+    from userwise.pipelines.runtime import delta_io
 
     events = events_between(cfg, delta_io.read(spark, delta_io.table_path(out, "events")), None, boundary)
     reqs = daily._requests(spark, out, None, boundary)

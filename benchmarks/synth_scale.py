@@ -20,11 +20,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 CHILD = r"""
 import io, json, resource, sys, time
-from userwise.pipelines.synth import synth
+from userwise.pipelines.tools.synth import synth
 a = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 s = synth(a["out"], days=a["days"], impressions=a["impressions"], max_seq_len=a["L"], kinds=tuple(a["kinds"]),

@@ -8,7 +8,7 @@ argv[1] (a path only the driver needs to see).
 import json
 import sys
 
-from userwise.pipelines.spark import get_spark
+from userwise.pipelines.runtime.spark import get_spark
 
 
 def _probe(_):

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import UserwiseError
+from userwise.pipelines.errors import UserwiseError
 
 
 def _date(s: str) -> str:
@@ -146,35 +146,35 @@ def _validate_args(p):
 # name -> (one-line help, argument builder, "module:function")
 COMMANDS = {
     "synth": ("generate a synthetic impression log (lean, fat rows, action log) and its config",
-              _synth_args, "userwise.pipelines.synth:cli"),
+              _synth_args, "userwise.pipelines.tools.synth:cli"),
     "validate": ("check a config against an input's schema and a sample of its rows; writes nothing",
-                 _validate_args, "userwise.pipelines.validate:cli"),
+                 _validate_args, "userwise.pipelines.build.validate:cli"),
     "build": ("build requests, history, samples and quarantine for a date range (Spark + Delta)",
-              _build_args, "userwise.pipelines.build:cli"),
+              _build_args, "userwise.pipelines.build.range:cli"),
     "expand": ("expand user-wise samples back to point-wise rows (the lossless round trip)",
-               _expand_args, "userwise.pipelines.expand:cli"),
+               _expand_args, "userwise.pipelines.build.expand:cli"),
     "requests": ("daily job: build the requests (and quarantine) of one date",
-                 _day_args, "userwise.pipelines.daily:requests_cli"),
+                 _day_args, "userwise.pipelines.build.daily:requests_cli"),
     "history": ("daily job: MERGE one date's actions into the user history",
-                lambda p: _day_args(p, needs_input=False), "userwise.pipelines.daily:history_cli"),
+                lambda p: _day_args(p, needs_input=False), "userwise.pipelines.build.daily:history_cli"),
     "window": ("daily job: build the incremental samples of the window ending after one date",
                lambda p: (_day_args(p, needs_input=False),
                           p.add_argument("--window-days", type=_pos_int, default=1)),
-               "userwise.pipelines.daily:window_cli"),
+               "userwise.pipelines.build.daily:window_cli"),
     "pretrain": ("job: build the pretrain samples (requests before as-of minus M days)",
                  lambda p: (_day_args(p, needs_input=False),
                             p.add_argument("--pretrain-days", type=int, required=True)),
-                 "userwise.pipelines.daily:pretrain_cli"),
+                 "userwise.pipelines.build.daily:pretrain_cli"),
     "preshard": ("pre-shard samples into balanced per-node Parquet shard sets with a manifest",
-                 _preshard_args, "userwise.pipelines.preshard:cli"),
+                 _preshard_args, "userwise.pipelines.shards.preshard:cli"),
     "stage": ("copy one node's shards to local disk, verified and resumable",
-              _stage_args, "userwise.pipelines.stage:cli"),
+              _stage_args, "userwise.pipelines.shards.stage:cli"),
     "diagnose": ("three-step bottleneck test of the loader on one node's shards",
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "backfill": ("run the daily chain day by day over a date range, skipping published days",
-                 _backfill_args, "userwise.pipelines.backfill:cli"),
+                 _backfill_args, "userwise.pipelines.build.backfill:cli"),
     "jars": ("fetch Delta's jars into the local cache (Spark's resolver, else Maven)",
-             lambda p: None, "userwise.pipelines.jars:cli"),
+             lambda p: None, "userwise.pipelines.runtime.jars:cli"),
 }
 
 

@@ -15,10 +15,9 @@ from typing import Any
 import pyarrow as pa
 import yaml
 
+from userwise.pipelines.errors import UserwiseError
 from userwise.schemas import TIME_UNITS, Layout, SeqField
 from userwise.schemas.layout import snapshot_element_type
-
-from .errors import UserwiseError
 
 
 class ConfigError(UserwiseError, ValueError):

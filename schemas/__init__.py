@@ -4,7 +4,7 @@ Each schema is defined once with Arrow types; ``to_spark()`` and
 ``to_delta()`` derive the other forms. Import without Spark: the loader does.
 """
 
-from .core import (
+from userwise.schemas.core import (
     FORMAT_VERSION,
     Field,
     SchemaError,
@@ -15,8 +15,8 @@ from .core import (
     schema_fingerprint,
     spark_to_arrow,
 )
-from .layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
-from .tables import (
+from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
+from userwise.schemas.tables import (
     HISTORY_LOG,
     MANIFEST_KEYS,
     MANIFEST_SET_KEYS,
@@ -37,4 +37,12 @@ from .tables import (
 
 FIXED_TABLES = (SYNTH_IMPRESSIONS, SYNTH_FAT_IMPRESSIONS, SYNTH_ACTIONS, QUARANTINE, HISTORY_LOG, MANIFEST_SHARD)
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    "FORMAT_VERSION", "Field", "SchemaError", "TableSchema", "arrow_to_spark", "check_version", "list_of",
+    "schema_fingerprint", "spark_to_arrow",
+    "EV", "IMP", "OVR", "REQ", "SEQ", "SNAP", "TIME_UNITS", "Layout", "SeqField",
+    "HISTORY_LOG", "MANIFEST_KEYS", "MANIFEST_SET_KEYS", "MANIFEST_SHARD", "QUARANTINE", "SYNTH_ACTIONS",
+    "SYNTH_FAT_IMPRESSIONS", "SYNTH_IMPRESSIONS", "SYNTH_SNAPSHOT", "event_fields", "events_schema",
+    "history_schema", "requests_schema", "samples_schema", "shard_schema", "sort_key",
+    "FIXED_TABLES",
+]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from .core import Field, TableSchema, fields, list_of
-from .layout import EV, IMP, OVR, REQ, SEQ, SNAP, Layout
+from userwise.schemas.core import Field, TableSchema, fields, list_of
+from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, Layout
 
 i8, i32, i64, f32, f64, s, d = pa.int8(), pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string(), pa.date32()
 

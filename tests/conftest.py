@@ -17,7 +17,7 @@ logging.getLogger("py4j").setLevel(logging.WARNING)
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory):
-    from userwise.pipelines.spark import get_spark
+    from userwise.pipelines.runtime.spark import get_spark
 
     wh = tmp_path_factory.mktemp("warehouse")
     s = get_spark(

@@ -16,9 +16,9 @@ Public names::
 Never imports pyspark.
 """
 
-from .batch import JaggedBatch, expand_batch
-from .dataset import UserwiseDataset
-from .loader import LoaderStats, UserwiseLoader
-from .shards import open_node
+from userwise.pipelines.loader.batch import JaggedBatch, expand_batch
+from userwise.pipelines.loader.dataset import UserwiseDataset
+from userwise.pipelines.loader.loader import LoaderStats, UserwiseLoader
+from userwise.pipelines.loader.shards import open_node
 
 __all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStats", "open_node"]

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .. import gds as gdsmod
-from ..errors import ShardError
-from . import decode
-from .plan import RankPlan, assign, check_batch_order, plan_node, user_unit
-from .shards import NodeShards, open_node
+from userwise.pipelines.errors import ShardError
+from userwise.pipelines.loader import decode
+from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, plan_node, user_unit
+from userwise.pipelines.loader.shards import NodeShards, open_node
+from userwise.pipelines.shards import gds as gdsmod
 
 log = logging.getLogger("userwise.loader")
 _SAID: set[str] = set()

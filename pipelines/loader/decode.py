@@ -20,12 +20,20 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .. import gds as gdsmod
-from ..errors import ShardError
-from .batch import ALIGN, JaggedBatch, _np_ranges, _ranges, dtype_name, repeat, take, torch_dtype
-from . import segcopy
-from .segcopy import seg_copy
-
+from userwise.pipelines.errors import ShardError
+from userwise.pipelines.loader import segcopy
+from userwise.pipelines.loader.batch import (
+    ALIGN,
+    JaggedBatch,
+    _np_ranges,
+    _ranges,
+    dtype_name,
+    repeat,
+    take,
+    torch_dtype,
+)
+from userwise.pipelines.loader.segcopy import seg_copy
+from userwise.pipelines.shards import gds as gdsmod
 
 REQ_LISTS = ("req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps", "req_snapshot")
 

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from ..errors import UserwiseError
-from .batch import JaggedBatch
-from .dataset import UserwiseDataset
-from .loader import UserwiseLoader
+from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines.loader.dataset import UserwiseDataset
+from userwise.pipelines.loader.loader import UserwiseLoader
 
 
 def _consumer(device):

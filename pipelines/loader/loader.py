@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import UserwiseError
-from . import segcopy
-from .batch import JaggedBatch, full_device
-from .dataset import UserwiseDataset, say_once
+from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.loader import segcopy
+from userwise.pipelines.loader.batch import JaggedBatch, full_device
+from userwise.pipelines.loader.dataset import UserwiseDataset, say_once
 
 
 def shm_alloc(n: int) -> torch.Tensor:

@@ -35,9 +35,11 @@ def _numpy_copy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: n
 
 
 def _compile():
-    from . import _segcopy_numba as nb
-    from ._segcopy_numba import kernel
-    from .decode import _NP  # the dtypes columns decode to (imported here: decode imports this module)
+    from userwise.pipelines.loader import _segcopy_numba as nb
+    from userwise.pipelines.loader._segcopy_numba import kernel
+    from userwise.pipelines.loader.decode import (
+        _NP,  # the dtypes columns decode to (imported here: decode imports this module)
+    )
 
     i = np.zeros(1, np.int64)
     kernel(np.zeros(2, np.int64), i, i + 1, np.zeros(2, np.int64))  # fails here if numba cannot compile at all

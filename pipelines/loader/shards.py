@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from userwise.pipelines.errors import ShardError
 from userwise.schemas import FORMAT_VERSION, schema_fingerprint
-
-from ..errors import ShardError
 
 MANIFEST = "manifest.json"
 VERIFY = ("checksum", "size", "none")
@@ -34,8 +33,8 @@ def _sha256(path: str) -> str:
 
 def load_manifest(root: str) -> dict:
     """Read and validate manifest.json (the shared module's ``load`` when present)."""
-    if importlib.util.find_spec("userwise.pipelines.manifest") is not None:
-        from userwise.pipelines import manifest as M  # the preshard side's reader
+    if importlib.util.find_spec("userwise.pipelines.shards.manifest") is not None:
+        from userwise.pipelines.shards import manifest as M
 
         if hasattr(M, "load"):
             return M.load(root)

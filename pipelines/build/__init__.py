@@ -1,0 +1,19 @@
+"""Step 1 of the data path: impression logs -> requests, events, history, samples (Spark + Delta).
+
+Modules, in the order a build runs them:
+
+- ``validate``: checks a config against an input's schema and a sample of rows (no JVM).
+- ``inputs``: reads the input log (Parquet, Delta) as a Spark or Arrow dataset.
+- ``ingest``: one row per request, the action stream, quarantine of bad rows.
+- ``pointer``: the pointer itself: each request's ``[seq_begin, seq_end)`` into one
+  stored stream per user and window, chunked by cost.
+- ``fat_rows``: legacy logs whose impressions carry a snapshot: stitch, align, overrides.
+- ``history``: the per-user history (newest H events) kept by MERGE.
+- ``daily``: the daily steps (requests, history, window, pretrain).
+- ``range``: ``userwise build``: every day before as-of in a handful of jobs.
+- ``backfill``: the daily chain over a date range, with publishing.
+- ``build_record``: ``D/_userwise/build.json`` (config, input schema, roles).
+- ``expand``: user-wise samples back to point-wise rows (the lossless round trip).
+
+Only the Spark steps import pyspark, and only when they run.
+"""

@@ -1,0 +1,64 @@
+"""``D/_userwise/build.json``: what a build folder was made from.
+
+It holds the config, the input's Arrow schema and the layout's roles, so
+daily jobs, ``expand`` and ``preshard`` resolve the same layout without
+re-reading the input.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+
+import pyarrow as pa
+
+from userwise import schemas as S
+from userwise.pipelines import config as C
+from userwise.pipelines.errors import UserwiseError
+
+META_DIR = "_userwise"
+META_FILE = "build.json"
+
+
+def path(output: str) -> str:
+    return os.path.join(output, META_DIR, META_FILE)
+
+
+def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
+    p = path(output)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    old = {}
+    if os.path.exists(p):
+        with open(p) as f:
+            old = json.load(f)
+    meta = {
+        **old,
+        "format_version": S.FORMAT_VERSION,
+        "config": cfg.to_dict(),
+        "roles": layout.roles(),
+        "input_schema": base64.b64encode(layout.input_schema.serialize().to_pybytes()).decode(),
+        **extra,
+    }
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".build.json.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, p)
+
+
+def load(output: str) -> tuple[C.Config, S.Layout, dict]:
+    p = path(output)
+    if not os.path.exists(p):
+        raise UserwiseError(f"{output} is not a userwise build folder (no {META_DIR}/{META_FILE}); "
+                            "run `userwise build` or `userwise requests` first")
+    with open(p) as f:
+        meta = json.load(f)
+    S.check_version(meta.get("format_version"), p)
+    if int(meta["format_version"]) < S.FORMAT_VERSION:  # its tables have other columns than this code writes
+        raise S.SchemaError(f"{p}: written by userwise format {meta['format_version']} (the request key and time "
+                            f"stored twice); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
+                            "with `userwise build`")
+    cfg = C.parse(meta["config"], source=p)
+    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(meta["input_schema"])))
+    return cfg, cfg.layout(schema), meta

@@ -1,0 +1,348 @@
+"""Daily jobs, each idempotent (replaceWhere / restore-and-replay):
+
+- ``requests_day``: one date's requests, events and quarantine;
+- ``history_day``: MERGE one date's actions into the history;
+- ``window_day``: the incremental samples of the window ending after a date,
+  from the history as of the window start (time travel) plus the window's events;
+- ``pretrain``: the pretrain samples (one job over all older requests).
+
+``userwise build`` (pipelines.build) runs the same functions over a range.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass, field
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from userwise import schemas as S
+from userwise.pipelines import config as C
+from userwise.pipelines.build import build_record, ingest
+from userwise.pipelines.build.history import History, events_between
+from userwise.pipelines.build.inputs import read_spark
+from userwise.pipelines.build.pointer import lean_samples
+from userwise.pipelines.errors import QuarantineLimitError, UserwiseError
+from userwise.pipelines.runtime import delta_io
+from userwise.schemas import EV
+
+
+def log(msg: str) -> None:
+    print(f"[userwise] {msg}", file=sys.stderr, flush=True)
+
+
+def as_date(s) -> dt.date:
+    return s if isinstance(s, dt.date) else dt.date.fromisoformat(str(s))
+
+
+@dataclass
+class Ingested:
+    layout: S.Layout
+    counts: dict = field(default_factory=dict)
+
+
+def _date_filter(df: DataFrame, cfg: C.Config, start: dt.date | None, end: dt.date | None) -> DataFrame:
+    """Partition pruning on the input's `date` column when it has one."""
+    if "date" not in df.columns:
+        return df
+    cond = F.lit(True)
+    if start is not None:
+        cond = cond & (F.col("date") >= F.lit(start))
+    if end is not None:
+        cond = cond & (F.col("date") < F.lit(end))
+    return df.where(cond)
+
+
+def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.date | None, end: dt.date,
+                 actions_path: str | None = None, as_of: dt.date | None = None) -> Ingested:
+    """Validate input rows of days [start, end) (all days when start is None) and write
+    requests, events and quarantine for those days. Rows at or after ``as_of`` are counted
+    and left alone."""
+    raw = read_spark(spark, input_path)
+    input_cols = [c for c in raw.columns if c not in ("_file", "_row")]
+    canon = ingest.canonical(cfg, raw, input_cols)
+    layout = canon.layout
+    build_record.save(output, cfg, layout)
+    ups = cfg.units_per_second
+    df = canon.df
+    if start is not None:
+        # A daily job reads its own partition; rows without a readable day belong to the
+        # partition they are filed under.
+        df = _date_filter(df, cfg, start, end) if "date" in input_cols else \
+            df.where((F.col("_date") >= F.lit(start)) & (F.col("_date") < F.lit(end)))
+    df = ingest.row_reasons(cfg, ingest.Canon(df, layout, canon.input_cols))
+    limit = ingest.day_start(as_of or end, ups)
+    later = F.col("_reason").isNull() & (F.col("_rt") >= F.lit(limit))
+    df = df.withColumn("_later", later)
+    # Cross-row checks never mix rows before and after as-of (a request, a duplicate and a
+    # position all live within one day), so they run once over everything; rows left for
+    # a later build keep no reason. One scan counts it all.
+    df = ingest.cross_row_reasons(cfg, canon, df)
+    df = df.withColumn("_reason", F.when(F.col("_later"), F.lit(None)).otherwise(F.col("_reason")))
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    tally = df.groupBy("_later", "_reason").count().collect()  # one row per reason: tiny
+    counts_rows = [r for r in tally if not r["_later"]]
+    n_later = sum(int(r["count"]) for r in tally if r["_later"])
+    now = df.where(~F.col("_later"))
+    q = ingest.quarantine_rows(now, canon.input_cols, "impressions")
+    accepted = now.where(F.col("_reason").isNull())
+    reqs = ingest.requests_frame(cfg, canon, accepted)
+    if layout.fat:
+        from userwise.pipelines.build.fat_rows import fat_events
+
+        # the requests table and the events exploded from its snapshots: aggregated once
+        reqs = reqs.persist(StorageLevel.MEMORY_AND_DISK)
+        events = fat_events(cfg, layout, reqs)
+    else:
+        events = ingest.impression_events(cfg, canon, accepted)
+    quarantined = {r["_reason"]: int(r["count"]) for r in counts_rows if r["_reason"] is not None}
+    counts = {
+        "rows_read": sum(int(r["count"]) for r in counts_rows) + n_later,
+        "accepted": sum(int(r["count"]) for r in counts_rows if r["_reason"] is None),
+        "quarantined": quarantined,
+        "after_as_of": n_later,
+    }
+    if actions_path:
+        a_raw = read_spark(spark, actions_path)
+        a_cols = [c for c in a_raw.columns if c not in ("_file", "_row")]
+        import pyarrow as pa
+
+        from userwise.schemas.core import spark_to_arrow
+
+        C.check_actions_columns(cfg, pa.schema([pa.field(f.name, spark_to_arrow(f.dataType))
+                                                for f in a_raw.schema.fields if f.name in a_cols]))
+        if start is not None and "date" in a_cols:
+            a_raw = _date_filter(a_raw, cfg, start, end)
+        a_events, a_checked = ingest.action_log(cfg, layout, a_raw)
+        a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_at") < F.lit(limit)))
+        if start is not None:
+            a_events = a_events.where((F.col("date") >= F.lit(start)) & (F.col("date") < F.lit(end)))
+        a_events = a_events.where(F.col(EV + "ts") < F.lit(limit))
+        aq = ingest.quarantine_rows(a_checked, tuple(a_cols), "actions")
+        a_counts = a_checked.groupBy("_reason").count().collect()
+        counts["actions_quarantined"] = {r["_reason"]: int(r["count"]) for r in a_counts if r["_reason"]}
+        q = q.unionByName(aq)
+        events = events.unionByName(a_events)
+    rejected = sum(quarantined.values())
+    considered = counts["rows_read"] - n_later
+    share = rejected / considered if considered else 0.0
+    counts["quarantine_share"] = share
+    where = _where_dates("date", start, end)
+    delta_io.replace(q, delta_io.table_path(output, "quarantine"),
+                     where + (" OR date IS NULL" if start is None else ""),
+                     partition_by=("date",), schema=S.QUARANTINE)
+    if share > cfg.max_quarantine_share:
+        reqs.unpersist()
+        df.unpersist()
+        raise QuarantineLimitError(
+            f"{rejected} of {considered} input rows ({share:.2%}) were quarantined, above "
+            f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
+            f"(by reason: {quarantined}) and fix the input or raise the limit")
+    delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, partition_by=("date",),
+                     schema=S.requests_schema(layout))
+    delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
+                     schema=S.events_schema(layout))
+    reqs.unpersist()
+    df.unpersist()
+    return Ingested(layout, counts)
+
+
+def _where_dates(col: str, start: dt.date | None, end: dt.date) -> str:
+    w = f"{col} < '{end.isoformat()}'"
+    if start is not None:
+        w = f"{col} >= '{start.isoformat()}' AND " + w
+    return w
+
+
+# ---------------------------------------------------------------------------
+# Samples
+# ---------------------------------------------------------------------------
+def _requests(spark, output: str, start: dt.date | None, end: dt.date) -> DataFrame:
+    r = delta_io.read(spark, delta_io.table_path(output, "requests"))
+    cond = F.col("date") < F.lit(end)
+    if start is not None:
+        cond = cond & (F.col("date") >= F.lit(start))
+    return r.where(cond)
+
+
+def _samples_for(cfg, layout, events, reqs, kind, ws, we):
+    if layout.fat:
+        from userwise.pipelines.build.fat_rows import fat_samples
+
+        return fat_samples(cfg, layout, reqs, kind, ws, we)
+    return lean_samples(cfg, layout, events, reqs, kind, ws, we)
+
+
+def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
+    """Replace the sets ``keys`` ((kind, window_end) each) with ``df`` in one commit; per set,
+    what was written (read back from the files' columns, without Spark)."""
+    from userwise.pipelines.build.pointer import release
+
+    path = delta_io.table_path(output, "samples")
+    where = " OR ".join(f"(kind = '{k}' AND window_end = '{we.isoformat()}')" for k, we in keys)
+    try:
+        delta_io.replace(df, path, where, partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
+    finally:
+        release()
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pds
+
+    cols = ["num_impressions", "num_requests", "chunk", "cost"]
+    version = delta_io.version(spark, path)
+    ds = delta_io.dataset(path)  # one read of the Delta log for all the sets
+    out = []
+    for kind, we in keys:
+        t = ds.to_table(columns=cols, filter=(pds.field("kind") == kind) & (pds.field("window_end") == we))
+        out.append({"kind": kind, "window_end": we.isoformat(), "samples": int(t.num_rows),
+                    "impressions": int(pc.sum(t["num_impressions"]).as_py() or 0),
+                    "requests": int(pc.sum(t["num_requests"]).as_py() or 0),
+                    "extra_chunks": int(pc.sum(pc.greater(t["chunk"], 0).cast("int64")).as_py() or 0),
+                    "max_cost": int(pc.max(t["cost"]).as_py() or 0),
+                    "delta_version": version})
+    return out
+
+
+def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date) -> dict:
+    """All requests before ``boundary`` (= as-of minus M days), merged per user."""
+    events = delta_io.read(spark, delta_io.table_path(output, "events"))
+    events = events_between(cfg, events, None, boundary)
+    reqs = _requests(spark, output, None, boundary)
+    # The pretrain set spans from the first request day (one value per set: readers group by it),
+    # read from the requests table's log rather than by a Spark job.
+    first = _first_day(output, boundary)
+    df = _samples_for(cfg, layout, events, reqs, "pretrain", first, boundary)
+    out = _write_samples(spark, output, layout, df, [("pretrain", boundary)])[0]
+    log_set(out, None)
+    return out
+
+
+def _first_day(output: str, boundary: dt.date) -> dt.date:
+    return min((d for d in delta_io.partition_dates(delta_io.table_path(output, "requests")) if d < boundary),
+               default=boundary)
+
+
+def log_set(out: dict, ws: dt.date | None) -> None:
+    if out["kind"] == "pretrain":
+        log(f"pretrain samples before {out['window_end']}: {out['samples']} samples, {out['impressions']} impressions")
+    else:
+        log(f"window [{ws}, {out['window_end']}): {out['samples']} samples, {out['impressions']} impressions"
+            + (f" (history version {out['history_version']})" if "history_version" in out else ""))
+
+
+def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
+    """Incremental samples of [ws, we): history as of ws (time travel) + the window's own events."""
+    hist = History(spark, cfg, layout, output)
+    from userwise.pipelines.build.history import explode_history
+
+    v = hist.version_before(ws)
+    base = explode_history(layout, hist.at(v))
+    events = delta_io.read(spark, delta_io.table_path(output, "events"))
+    own = events_between(cfg, events, ws, we).select("user", *[f.name for f in S.event_fields(layout)])
+    stream = base.unionByName(own)
+    reqs = _requests(spark, output, ws, we)
+    df = _samples_for(cfg, layout, stream, reqs, "incremental", ws, we)
+    out = _write_samples(spark, output, layout, df, [("incremental", we)])[0]
+    out["history_version"] = v
+    log_set(out, ws)
+    return out
+
+
+def fat_range_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date,
+                      wins: list[tuple[dt.date, dt.date]]) -> list[dict]:
+    """Fat rows over a range: the pretrain samples and every window's from one Spark plan and
+    one commit. A fat set's stream is its own requests' snapshots (no history), so nothing
+    here waits for the day before; the rows equal :func:`pretrain_samples` and
+    :func:`window_samples` run one by one (the same :func:`fat.fat_sets`, one set each)."""
+    from userwise.pipelines.build.fat_rows import SET, fat_sets
+
+    end = wins[-1][1] if wins else boundary
+    reqs = _requests(spark, output, None, end)
+    sets = [("pretrain", _first_day(output, boundary), boundary)] + [("incremental", ws, we) for ws, we in wins]
+    d = F.col("date")
+    which = F.when(d < F.lit(boundary), F.lit(0))
+    for k, (ws, we) in enumerate(wins):
+        which = which.when((d >= F.lit(ws)) & (d < F.lit(we)), F.lit(k + 1))
+    df = fat_sets(cfg, layout, reqs.withColumn(SET, which), sets)
+    # Every task holds rows of every set: written as they are, each set would get a file per
+    # task (small files, worse compression). AQE's rebalance groups a set's rows and still
+    # splits a large set into files of the advisory size. (Spark ignores the hint when AQE
+    # is off: then the files are as before, never one task per set.)
+    df = df.hint("rebalance", "kind", "window_end")
+    return _write_samples(spark, output, layout, df, [(kind, we) for kind, _, we in sets])
+
+
+# ---------------------------------------------------------------------------
+# The daily API (called by jobs/, the Airflow DAGs and backfill)
+# ---------------------------------------------------------------------------
+def requests_day(spark, cfg: C.Config, input_path: str, output: str, date, actions_path: str | None = None) -> dict:
+    d = as_date(date)
+    ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
+    log(f"requests {d}: {ing.counts}")
+    return {"date": d.isoformat(), **ing.counts}
+
+
+def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | None = None) -> dict:
+    d = as_date(date)
+    _, layout, meta = build_record.load(output)
+    days = retention_days or meta.get("retention_days") or 37
+    out = History(spark, cfg, layout, output).update(d, retention_days=days)
+    log(f"history {d}: {out}")
+    return {"date": d.isoformat(), **out}
+
+
+def window_day(spark, cfg: C.Config, output: str, date, window_days: int = 1) -> dict:
+    """The window [date+1-N, date+1)."""
+    d = as_date(date)
+    _, layout, _ = build_record.load(output)
+    we = d + dt.timedelta(days=1)
+    return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
+
+
+def pretrain(spark, cfg: C.Config, output: str, as_of, pretrain_days: int) -> dict:
+    _, layout, _ = build_record.load(output)
+    return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
+
+
+# ---------------------------------------------------------------------------
+# CLI handlers
+# ---------------------------------------------------------------------------
+def _spark(args):
+    from userwise.pipelines.runtime.spark import get_spark
+
+    return get_spark(master=getattr(args, "master", None))
+
+
+def _print(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def requests_cli(args) -> int:
+    cfg = C.load(args.config)
+    _print(requests_day(_spark(args), cfg, args.input, args.output, args.date, args.actions))
+    return 0
+
+
+def history_cli(args) -> int:
+    cfg = C.load(args.config)
+    _print(history_day(_spark(args), cfg, args.output, args.date))
+    return 0
+
+
+def window_cli(args) -> int:
+    cfg = C.load(args.config)
+    _print(window_day(_spark(args), cfg, args.output, args.date, args.window_days))
+    return 0
+
+
+def pretrain_cli(args) -> int:
+    cfg = C.load(args.config)
+    if args.pretrain_days < 0:
+        raise UserwiseError("--pretrain-days must be >= 0")
+    as_of = as_date(args.date)
+    _print(pretrain(_spark(args), cfg, args.output, as_of, args.pretrain_days))
+    return 0

@@ -1,0 +1,350 @@
+"""Input log -> validated canonical rows -> requests, events and quarantine.
+
+Every input row ends in exactly one place: rejected (quarantine, with a
+reason), left for a later build (request time at or after as-of), or accepted
+(a request's impression). Rejected rows contribute no actions.
+
+Canonical columns added to the user's columns (all prefixed ``_``):
+``_user, _req, _rt (request time in time_unit), _at (action time), _item,
+_pos, _bits (action bits), _date (UTC day of _rt)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from userwise import schemas as S
+from userwise.pipelines.config import Config
+from userwise.schemas import EV, IMP, REQ, SNAP, Layout
+
+SECONDS_PER_DAY = 86400
+
+
+@dataclass(frozen=True)
+class Canon:
+    """Canonicalised input: the DataFrame plus what the layout needs."""
+
+    df: DataFrame
+    layout: Layout
+    input_cols: tuple[str, ...]
+
+
+def _to_units(c: Column, t: T.DataType, ups: int) -> Column:
+    if isinstance(t, (T.TimestampType, T.TimestampNTZType)):
+        micros = F.unix_micros(c.cast("timestamp"))
+        return F.floor(micros / F.lit(1_000_000 // ups)).cast("long") if ups < 1_000_000 else micros
+    return c.cast("long")
+
+
+def day_of(units: Column, ups: int) -> Column:
+    """UTC date of an epoch time in time units."""
+    return F.date_from_unix_date(F.floor(units / F.lit(ups * SECONDS_PER_DAY)).cast("int"))
+
+
+def day_start(date, ups: int) -> int:
+    """Epoch time (time units) of a UTC date's midnight."""
+    import datetime as dt
+
+    return (date - dt.date(1970, 1, 1)).days * SECONDS_PER_DAY * ups
+
+
+def _bits(cols: list[str]) -> Column:
+    e = F.lit(0).cast("long")
+    for i, c in enumerate(cols):
+        e = e + F.when(F.col(c).cast("double") > 0, F.lit(1 << i)).otherwise(0).cast("long")
+    return e
+
+
+def canonical(cfg: Config, df: DataFrame, input_cols: list[str]) -> Canon:
+    """Add the canonical columns. ``df`` holds the input columns plus _file, _row."""
+    import pyarrow as pa
+
+    from userwise.schemas.core import spark_to_arrow
+
+    arrow = pa.schema([pa.field(f.name, spark_to_arrow(f.dataType), f.nullable)
+                       for f in df.schema.fields if f.name in input_cols])
+    layout = cfg.layout(arrow)
+    ups = cfg.units_per_second
+    types = {f.name: f.dataType for f in df.schema.fields}
+    rt = _to_units(F.col(cfg.col("request_time")), types[cfg.col("request_time")], ups)
+    at_col = cfg.col("action_time")
+    at = _to_units(F.col(at_col), types[at_col], ups) if at_col else rt
+    req = F.col(cfg.col("request")) if cfg.col("request") else rt
+    pos = F.col(cfg.col("position")).cast("long") if cfg.col("position") else None
+    out = df.select(
+        "*",
+        F.col(cfg.col("user")).alias("_user"),
+        req.alias("_req"),
+        rt.alias("_rt"),
+        at.alias("_at"),
+        F.col(cfg.col("item")).alias("_item"),
+        _bits(list(cfg.action_labels)).alias("_bits"),
+    ).withColumn("_date", day_of(F.col("_rt"), ups))
+    if pos is None:
+        # Input order within the request: the row's place in its file.
+        w = Window.partitionBy("_date", "_user", "_req").orderBy("_file", "_row").rowsBetween(
+            Window.unboundedPreceding, Window.currentRow)
+        out = out.withColumn("_pos", (F.row_number().over(w.rowsBetween(Window.unboundedPreceding,
+                                                                          Window.currentRow)) - 1)
+                             .cast("long"))
+    else:
+        out = out.withColumn("_pos", pos)
+    return Canon(out, layout, tuple(input_cols))
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+def _is_bad_number(c: Column, t: T.DataType) -> Column:
+    if isinstance(t, (T.FloatType, T.DoubleType)):
+        return c.isNull() | F.isnan(c) | (F.abs(c) == F.lit(float("inf")))
+    return c.isNull()
+
+
+def row_reasons(cfg: Config, canon: Canon) -> DataFrame:
+    """Per-row checks: adds ``_reason``, ``_column``, ``_detail`` (null when the row is fine)."""
+    df = canon.df
+    ups = cfg.units_per_second
+    types = {f.name: f.dataType for f in df.schema.fields}
+    lo = day_start(__import__("datetime").date(cfg.min_year, 1, 1), ups)
+    hi = day_start(__import__("datetime").date(cfg.max_year, 1, 1), ups)
+    checks: list[tuple[Column, str, str, str]] = [
+        (F.col("_user").isNull(), "null_user", cfg.col("user"), "user key is null"),
+    ]
+    if cfg.col("request"):
+        checks.append((F.col("_req").isNull(), "null_request", cfg.col("request"), "request key is null"))
+    checks += [
+        (F.col("_rt").isNull(), "null_time", cfg.col("request_time"), "request time is null"),
+        ((F.col("_rt") < lo) | (F.col("_rt") >= hi), "bad_time", cfg.col("request_time"),
+         f"request time outside [{cfg.min_year}, {cfg.max_year})"),
+        (F.col("_item").isNull(), "null_item", cfg.col("item"), "item is null"),
+    ]
+    if cfg.col("position"):
+        checks.append((F.col("_pos").isNull(), "null_position", cfg.col("position"), "position is null"))
+    for c in cfg.cols("labels"):
+        checks.append((_is_bad_number(F.col(c), types[c]), "bad_label", c, "label is null, NaN or infinite"))
+    if cfg.col("action_time"):
+        act = F.col("_bits") > 0
+        checks.append((act & F.col("_at").isNull(), "null_action_time", cfg.col("action_time"),
+                       "an action without an action time"))
+        checks.append((act & ((F.col("_at") < lo) | (F.col("_at") >= hi)), "bad_time", cfg.col("action_time"),
+                       f"action time outside [{cfg.min_year}, {cfg.max_year})"))
+        checks.append((act & (F.col("_at") < F.col("_rt")), "action_before_request", cfg.col("action_time"),
+                       "the action is timed before its own request"))
+    if "date" in canon.input_cols and isinstance(types.get("date"), T.DateType):
+        checks.append((F.col("_date") != F.col("date"), "wrong_partition", "date",
+                       "the row is filed under another day than its request time's UTC day"))
+    return first_reason(df, checks)
+
+
+def first_reason(df: DataFrame, checks: list[tuple[Column, str, str | None, str]]) -> DataFrame:
+    """Add _reason, _column, _detail: the first check (in order) that the row fails, else nulls."""
+    reason = column = detail = F.lit(None).cast("string")
+    for cond, r, c, d in reversed(checks):
+        hit = F.coalesce(cond, F.lit(False))
+        reason = F.when(hit, F.lit(r)).otherwise(reason)
+        column = F.when(hit, F.lit(c)).otherwise(column)
+        detail = F.when(hit, F.lit(d)).otherwise(detail)
+    return df.select("*", reason.alias("_reason"), column.alias("_column"), detail.alias("_detail"))
+
+
+def _mark(df: DataFrame, cond: Column, reason: str, column: str | None, detail: str) -> DataFrame:
+    # the condition is evaluated once (a window condition used three times is three windows)
+    hit = F.col("_hit")
+    return (df.withColumn("_hit", F.col("_reason").isNull() & F.coalesce(cond, F.lit(False)))
+              .withColumn("_column", F.when(hit, F.lit(column)).otherwise(F.col("_column")))
+              .withColumn("_detail", F.when(hit, F.lit(detail)).otherwise(F.col("_detail")))
+              .withColumn("_reason", F.when(hit, F.lit(reason)).otherwise(F.col("_reason")))
+              .drop("_hit"))
+
+
+def request_keys(cfg: Config) -> list[str]:
+    """A request is (day, request key), or (day, user, time) without a request column."""
+    return ["_date", "_req"] if cfg.col("request") else ["_date", "_user", "_req"]
+
+
+SNAP_KEEP = "_snap_keep"  # fat rows: the one accepted row per request that keeps the snapshot
+
+
+def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
+    """Checks across rows, on rows that passed the per-row checks."""
+    layout = canon.layout
+    rk = request_keys(cfg)
+    # Every check below looks within one request (exact copies share their request key, and
+    # so do two rows at one position): one shuffle by the request key serves them all, and the
+    # windows (partitioned by supersets of it) and the requests' aggregation reuse it. Fat rows
+    # are heavy: each extra shuffle of them costs about a Parquet write and read.
+    # The windows share one sort as well: each one's key is a prefix of the first one's,
+    # ``_ok`` (passed the per-row checks) is fixed once, and later marks are read through
+    # conditional aggregates instead of re-partitioning by the changed reason.
+    df = df.repartition(*[F.col(c) for c in rk]).withColumn("_ok", F.col("_reason").isNull())
+    ok = F.col("_ok")
+    has_pos = bool(cfg.col("position"))
+    pos = [F.col("_pos")] if has_pos else []
+    # Exact duplicates: the first copy (file order) is kept. Copies share the request, the
+    # position (when it is a column) and the row hash; a row is a copy when it equals the row
+    # before it in that group, compared whole (snapshots included, so a hash collision cannot
+    # make two different rows copies: at worst the second one meets the position check).
+    cols = [F.col(c) for c in canon.input_cols]
+    df = df.withColumn("_h", F.xxhash64(*cols))
+    wdup = Window.partitionBy(ok, *rk, *pos, "_h").orderBy("_file", "_row")
+    row = F.struct(*cols)
+    df = df.withColumn("_dup", F.coalesce(F.lag(row).over(wdup).eqNullSafe(row), F.lit(False)))
+    df = _mark(df, F.col("_dup"), "duplicate_row", None, "an exact copy of an earlier row")
+    # Request-level checks share one window over the request's rows: a request claimed by
+    # two users, request-level columns that disagree, and (fat rows) impressions that carry
+    # different snapshots. Each rejects the whole request; the first that applies names the
+    # reason. (The copies just marked are equal to a kept row: they change no min or max.)
+    wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    differs = lambda key: ~F.min(key).over(wreq).eqNullSafe(F.max(key).over(wreq))  # noqa: E731
+    checks = []
+    if cfg.col("request"):
+        checks.append(("_c_user", differs(F.col("_user")), "request_user_conflict", cfg.col("request"),
+                       "the request id is used by more than one user"))
+    req_cols = [f.name for f in layout.request_columns]
+    if req_cols:
+        key = F.struct(*[F.struct(F.col(c).isNull(), F.col(c)) for c in req_cols])
+        checks.append(("_c_req", differs(key), "request_inconsistent", ",".join(req_cols),
+                       "request-level columns differ between the request's rows"))
+    if layout.fat:
+        snap = F.struct(*[F.struct(F.col(s.source).isNull(), F.col(s.source)) for s in layout.snapshot])
+        checks.append(("_c_snap", differs(snap), "snapshot_mismatch", ",".join(layout.snapshot_columns),
+                       "impressions of one request carry different snapshots"))
+    if checks:
+        df = df.select("*", *[c.alias(n) for n, c, *_ in checks])
+        for n, _, reason, column, detail in checks:
+            df = _mark(df, F.col(n), reason, column, detail)
+        df = df.drop(*[n for n, *_ in checks])
+    if has_pos:
+        # Two different rows at one (request, position), among the rows still accepted.
+        # (Without a position column the position is the row's place in its request: unique.)
+        wpos = Window.partitionBy(ok, *rk, "_pos").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        live = F.count(F.when(F.col("_reason").isNull(), F.lit(1))).over(wpos)
+        df = _mark(df, live > 1, "position_conflict", cfg.col("position"),
+                   "rows of one request share a position with different content")
+    if layout.fat:
+        # All accepted rows of a request carry one snapshot (proven above): only the first
+        # accepted row keeps it, so what is cached and aggregated downstream holds one snapshot
+        # per request, not one per impression. Rejected rows keep theirs (quarantine keeps the
+        # whole row). Same partition and order as the duplicate window: no extra sort.
+        wfirst = Window.partitionBy(ok, *rk).orderBy(*pos, "_h", "_file", "_row").rowsBetween(
+            Window.unboundedPreceding, Window.currentRow)
+        acc = F.col("_reason").isNull()
+        df = df.withColumn(SNAP_KEEP, acc & (F.count(F.when(acc, F.lit(1))).over(wfirst) == 1))
+        keep = F.col(SNAP_KEEP) | ~acc
+        for c in layout.snapshot_columns:
+            df = df.withColumn(c, F.when(keep, F.col(c)))
+    return df.drop("_dup", "_ok", "_h")
+
+
+def quarantine_rows(df: DataFrame, input_cols: tuple[str, ...], source: str) -> DataFrame:
+    """Rejected rows in the QUARANTINE schema; the whole row is kept as JSON."""
+    date = F.col("_date")
+    if "date" in input_cols:
+        date = F.coalesce(F.col("_date"), F.col("date").cast("date"))
+    return df.where(F.col("_reason").isNotNull()).select(
+        date.alias("date"),
+        F.lit(source).alias("source"),
+        F.col("_reason").alias("reason"),
+        F.col("_column").alias("column"),
+        F.col("_detail").alias("detail"),
+        F.col("_file").alias("input_file"),
+        F.col("_row").alias("input_row"),
+        F.to_json(F.struct(*[F.col(c) for c in input_cols]), {"ignoreNullFields": "false"}).alias("row"),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Requests and events
+# ---------------------------------------------------------------------------
+def requests_frame(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
+    """One row per request, impressions as struct-of-arrays in display order."""
+    layout = canon.layout
+    imp_cols = [f.name for f in layout.impression_columns]
+    req_cols = [f.name for f in layout.stored_request_columns]  # the request key and an int64 time are req_id/req_time
+    # Display order is the position alone: positions are unique among a request's accepted
+    # rows (copies and conflicts are quarantined; without a position column it is the row's
+    # place in its file). No file name per impression in the sort.
+    imp = F.struct(
+        F.col("_pos").alias("p"),
+        F.col("_at").alias("at"),
+        F.col("_bits").alias("bits"),
+        *[F.col(c).alias(f"c{i}") for i, c in enumerate(imp_cols)],
+    )
+    aggs = [F.sort_array(F.collect_list(imp)).alias("_imps"), F.count(F.lit(1)).cast("int").alias("num_imps")]
+    aggs += [F.first(c, ignorenulls=False).alias(REQ + c) for c in req_cols]
+    if layout.fat:
+        # the snapshot of the request's one row that kept it (see cross_row_reasons); its
+        # fields may be null (a null snapshot), the struct is not
+        snap = F.struct(*[F.col(s.source).alias(s.name) for s in layout.snapshot])
+        aggs.append(F.first(F.when(F.col(SNAP_KEEP), snap), ignorenulls=True).alias("_snap"))
+    # grouped by the canonical columns themselves (renamed after): the shuffle by request key
+    # of the cross-row checks already clusters them, so this aggregation needs no shuffle.
+    g = accepted.groupBy("_date", "_user", "_req", "_rt").agg(*aggs).withColumnsRenamed(
+        {"_date": "date", "_user": "user", "_req": "req_id", "_rt": "req_time"})
+    sel = [F.col("date"), F.col("user"), F.col("req_id"), F.col("req_time"), F.col("num_imps")]
+    sel += [F.col(REQ + c) for c in req_cols]
+    sel += [F.col(f"_imps.c{i}").alias(IMP + c) for i, c in enumerate(imp_cols)]
+    sel += [F.col("_imps.p").alias("imp_pos"), F.col("_imps.at").alias("imp_action_time"),
+            F.col("_imps.bits").alias("imp_action")]
+    if layout.fat:
+        sel += [F.col(f"_snap.{s.name}").alias(SNAP + s.name) for s in layout.snapshot]
+    return g.select(sel)
+
+
+def impression_events(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFrame:
+    """Actions of accepted impressions: the lean stream's own events."""
+    layout = canon.layout
+    cols = [
+        F.col("_date").alias("date"), F.col("_user").alias("user"), F.col("_at").alias(EV + "ts"),
+        F.col("_rt").alias(EV + "req_time"), F.col("_req").alias(EV + "req_id"), F.col("_pos").alias(EV + "pos"),
+        F.col("_item").alias(EV + "item"),
+    ]
+    cols += [F.col(f.name).alias(EV + f.name) for f in layout.item_features]
+    cols.append(F.col("_bits").alias(EV + "action"))
+    return accepted.where(F.col("_bits") > 0).select(cols)
+
+
+def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """A separate action log -> (valid events in the events schema, rows with a reason)."""
+    a = cfg.actions
+    ups = cfg.units_per_second
+    types = {f.name: f.dataType for f in df.schema.fields}
+    ts = _to_units(F.col(a.time), types[a.time], ups)
+    if isinstance(a.labels, tuple):
+        bits = _bits(list(a.labels))
+        label_cols = list(a.labels)
+    else:
+        bits = F.col(a.labels).cast("long")
+        label_cols = [a.labels]
+    lo = day_start(__import__("datetime").date(cfg.min_year, 1, 1), ups)
+    hi = day_start(__import__("datetime").date(cfg.max_year, 1, 1), ups)
+    x = df.select("*", F.col(a.user).alias("_user"), ts.alias("_at"), F.col(a.item).alias("_item"),
+                  bits.alias("_bits")).withColumn("_date", day_of(F.col("_at"), ups))
+    checks = [
+        (F.col("_user").isNull(), "null_user", a.user, "user key is null"),
+        (F.col("_at").isNull(), "null_time", a.time, "action time is null"),
+        ((F.col("_at") < lo) | (F.col("_at") >= hi), "bad_time", a.time,
+         f"action time outside [{cfg.min_year}, {cfg.max_year})"),
+        (F.col("_item").isNull(), "null_item", a.item, "item is null"),
+    ]
+    checks += [(_is_bad_number(F.col(c), types[c]), "bad_label", c, "label is null, NaN or infinite")
+               for c in label_cols]
+    x = first_reason(x, checks)
+    ok = x.where(F.col("_reason").isNull() & (F.col("_bits") > 0))
+    ev_types = {f.name: f.type for f in S.event_fields(layout)}
+    cols = [
+        F.col("_date").alias("date"), F.col("_user").alias("user"), F.col("_at").alias(EV + "ts"),
+        F.lit(None).cast("long").alias(EV + "req_time"),
+        F.lit(None).cast(S.arrow_to_spark(ev_types[EV + "req_id"])).alias(EV + "req_id"),
+        F.lit(None).cast("long").alias(EV + "pos"),
+        F.col("_item").cast(S.arrow_to_spark(ev_types[EV + "item"])).alias(EV + "item"),
+    ]
+    for f, src in zip(layout.item_features, a.item_features):
+        cols.append(F.col(src).cast(S.arrow_to_spark(f.type)).alias(EV + f.name))
+    cols.append(F.col("_bits").alias(EV + "action"))
+    return ok.select(cols), x

@@ -1,0 +1,259 @@
+"""The pointer: one stream per user, requests index into it, chunks cap the cost.
+
+All per-user running quantities (event index, request seq_end, cumulative
+impressions, chunk boundaries) are computed with :func:`prefix`, which splits
+a user's rows by time bucket before any window, so a bot user with millions
+of rows spreads over many tasks instead of sinking one.
+
+Chunking (no O(chunks x actions)): with requests in order j, slice [b_j, e_j),
+own cost c_j (impressions, plus override events for fat rows) and E_j the
+running max of e, put Q_j = E_j + C_{j-1} (C = cumulative own cost). Requests
+with c_j > R or a slice longer than L are "big": each is a chunk of its own.
+The others are grouped by floor(Q_j / W) and the count of big requests before
+them. With W + R = cap - L, a chunk i..j costs at most
+Q_j - Q_i + c_j + L < W + R + L = cap. Events are then routed to chunks by an
+equi-join on (user, index bucket), never a range join.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from userwise import schemas as S
+from userwise.pipelines.build.ingest import day_of
+from userwise.pipelines.config import Config
+from userwise.schemas import EV, IMP, OVR, REQ, SEQ, Layout
+
+UNB = Window.unboundedPreceding
+CUR = Window.currentRow
+
+_KEPT: list[DataFrame] = []
+
+
+def keep(df: DataFrame) -> DataFrame:
+    """Persist an intermediate that later steps read twice (a plan branches on it), so its
+    lineage (windows, joins) is computed once; :func:`release` frees them after the write."""
+    from pyspark import StorageLevel
+
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    _KEPT.append(df)
+    return df
+
+
+def release() -> None:
+    while _KEPT:
+        _KEPT.pop().unpersist()
+
+
+def prefix(df: DataFrame, part: list[str], bucket: str, order: list[Column | str],
+           sums: dict[str, str] | None = None, maxes: dict[str, str] | None = None) -> DataFrame:
+    """Inclusive running sums / maxes per ``part`` in (bucket, *order), skew-safe.
+
+    Rows are windowed per (part, bucket); per-bucket totals are prefixed over
+    the (few) buckets of a part and added back.
+    """
+    sums, maxes = sums or {}, maxes or {}
+    aggs = [F.sum(c).alias(f"_bs_{o}") for o, c in sums.items()]
+    aggs += [F.max(c).alias(f"_bm_{o}") for o, c in maxes.items()]
+    per_bucket = df.groupBy(*part, bucket).agg(*aggs)
+    wb = Window.partitionBy(*part).orderBy(bucket).rowsBetween(UNB, -1)
+    offs = per_bucket.select(
+        *part, bucket,
+        *[F.coalesce(F.sum(f"_bs_{o}").over(wb), F.lit(0)).alias(f"_os_{o}") for o in sums],
+        *[F.max(f"_bm_{o}").over(wb).alias(f"_om_{o}") for o in maxes],
+    )
+    w = Window.partitionBy(*part, bucket).orderBy(*order).rowsBetween(UNB, CUR)
+    out = df.join(offs, on=[*part, bucket], how="inner")
+    for o, c in sums.items():
+        out = out.withColumn(o, F.col(f"_os_{o}") + F.sum(c).over(w))
+    for o, c in maxes.items():
+        run = F.max(c).over(w)
+        out = out.withColumn(o, F.when(F.col(f"_om_{o}").isNull(), run)
+                             .when(run.isNull(), F.col(f"_om_{o}"))
+                             .otherwise(F.greatest(F.col(f"_om_{o}"), run)))
+    return out.drop(*[f"_os_{o}" for o in sums], *[f"_om_{o}" for o in maxes])
+
+
+def bucket_of(units: Column, cfg: Config) -> Column:
+    return F.floor(units / F.lit(cfg.skew_bucket_seconds * cfg.units_per_second)).cast("long")
+
+
+def event_cols(layout: Layout) -> list[str]:
+    return [f.name for f in S.event_fields(layout)]
+
+
+def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame,
+                 sort_cols: list[str] | None = None) -> tuple[DataFrame, DataFrame]:
+    """Give every event its index in its user's stream and every request its seq_end.
+
+    ``events``: user + ev_* columns. ``requests``: user, req_id, req_time, ...
+    seq_end counts the events strictly before the request time.
+    """
+    sort_cols = sort_cols or S.sort_key(layout)
+    ev = events.select(
+        "user", *event_cols(layout), F.lit(1).alias("_is_ev"), F.col(EV + "ts").alias("_t"),
+    )
+    rq = requests.select("user", F.col("req_id").alias("_rid"), F.col("req_time").alias("_t"),
+                         F.lit(0).alias("_is_ev"))
+    u = ev.unionByName(rq, allowMissingColumns=True).withColumn("_sk", bucket_of(F.col("_t"), cfg))
+    order = [F.col("_t").asc(), F.col("_is_ev").asc()] + [F.col(c).asc_nulls_first() for c in sort_cols]
+    u = keep(prefix(u, ["user"], "_sk", order, sums={"_cum": "_is_ev"}))
+    events_idx = u.where(F.col("_is_ev") == 1).select("user", *event_cols(layout),
+                                                     (F.col("_cum") - 1).alias("idx"))
+    req_end = u.where(F.col("_is_ev") == 0).select("user", F.col("_rid").alias("req_id"),
+                                                  F.col("_t").alias("req_time"),
+                                                  F.col("_cum").cast("long").alias("_seq_end"))
+    return events_idx, req_end
+
+
+def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
+    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (null: no slice),
+    _c (own cost), _len (slice length). Chunks are numbered per (user, *part): ``part``
+    names the sample set where one frame holds several."""
+    L, cap = cfg.max_seq_len, cfg.max_sample_cost
+    W = max(1, (cap - L) // 2)
+    R = max(0, cap - L - W)
+    big = ((F.col("_c") > R) | (F.col("_len") > L)).cast("long")
+    r = reqs.withColumn("_big", big).withColumn("_sk", bucket_of(F.col("req_time"), cfg))
+    r = keep(prefix(r, ["user", *part], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
+                    sums={"_ccum": "_c", "_gcum": "_big"}, maxes={"_emax": "_e"}))
+    r = r.withColumn("_q", F.coalesce(F.col("_emax"), F.lit(0)) + F.col("_ccum") - F.col("_c"))
+    r = (r.withColumn("_k", F.floor(F.col("_q") / F.lit(W)).cast("long"))
+          .withColumn("_nb", 1 - F.col("_big")))
+    keys = r.select("user", *part, "_k", "_gcum", "_nb").distinct()
+    wk = Window.partitionBy("user", *part).orderBy("_k", "_gcum", "_nb").rowsBetween(UNB, CUR)
+    keys = keys.withColumn("chunk", (F.row_number().over(wk) - 1).cast("int"))
+    return r.join(keys, on=["user", *part, "_k", "_gcum", "_nb"], how="inner").drop(
+        "_k", "_gcum", "_nb", "_q", "_ccum", "_emax", "_big", "_sk")
+
+
+def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
+    """Events whose index falls in a chunk's [lo, hi): equi-join on (user, *part, index bucket)."""
+    G = max(1, cfg.max_seq_len)
+    cover = ranges.where(F.col("hi") > F.col("lo")).select(
+        "user", *part, "chunk", "lo", "hi",
+        F.explode(F.sequence(F.floor(F.col("lo") / G), F.floor((F.col("hi") - 1) / G))).alias("_ib"))
+    ev = events_idx.withColumn("_ib", F.floor(F.col("idx") / G))
+    j = ev.join(cover, on=["user", *part, "_ib"], how="inner")
+    return j.where((F.col("idx") >= F.col("lo")) & (F.col("idx") < F.col("hi"))).drop("_ib")
+
+
+def _value(v) -> Column:
+    return v if isinstance(v, Column) else F.lit(v)
+
+
+def _field(name: str):
+    """A one-argument lambda for F.transform (a second argument would be the index)."""
+    return lambda x: x[name]
+
+
+def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: DataFrame,
+                kind: str | Column, window_start: dt.date | Column | None, window_end: dt.date | Column,
+                seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
+    """Assemble one row per (user, *part, chunk) in the samples schema.
+
+    ``reqs``: requests with chunk, lo, _b, _e (slice or null), plus the
+    requests table's columns. ``seq_map``: seq field name -> event column.
+    ``kind`` and the window bounds are values, or columns over ``part`` where one
+    frame holds several sample sets.
+    """
+    req_cols = [f.name for f in layout.stored_request_columns]
+    imp_cols = [f.name for f in layout.impression_columns]
+    # events -> seq arrays, sorted by index
+    ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])
+    seq = events_in_chunks.groupBy("user", *part, "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
+    seq = seq.select("user", *part, "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
+    # requests -> req arrays (sorted by time, id) and flattened impressions
+    begin = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_b") - F.col("lo"))
+    end = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_e") - F.col("lo"))
+    fields = [
+        F.col("req_time").alias("t"), F.col("req_id").alias("id"),
+        begin.cast("int").alias("b"), end.cast("int").alias("e"), F.col("num_imps").alias("n"),
+        *[F.col(REQ + c).alias(f"r{i}") for i, c in enumerate(req_cols)],
+        *[F.col(IMP + c).alias(f"i{i}") for i, c in enumerate(imp_cols)],
+    ]
+    if layout.fat:
+        fields += [F.col("_snap_kind").alias("sk"), F.col("_ovr_len").alias("ol")]
+        fields += [F.col(f"_ovr_{sf.name}").alias(f"o{j}") for j, sf in enumerate(layout.seq_fields)]
+    g = reqs.groupBy("user", *part, "chunk").agg(
+        F.sort_array(F.collect_list(F.struct(*fields))).alias("_r"),
+        F.min("lo").alias("lo"),
+        F.max("hi").alias("hi"),
+    )
+    sel = [
+        "user", *part, "chunk", "lo", "hi",
+        F.col("_r.t").alias("req_time"), F.col("_r.id").alias("req_id"),
+        F.col("_r.b").alias("req_seq_begin"), F.col("_r.e").alias("req_seq_end"),
+        F.col("_r.n").alias("req_num_imps"),
+        *[F.col(f"_r.r{i}").alias(REQ + c) for i, c in enumerate(req_cols)],
+        *[F.flatten(F.col(f"_r.i{i}")).alias(IMP + c) for i, c in enumerate(imp_cols)],
+    ]
+    if layout.fat:
+        ovr = F.filter(F.col("_r"), lambda x: x["sk"] == 1)
+        idx = F.filter(F.sequence(F.lit(0), F.size("_r") - 1), lambda i: F.col("_r")[i]["sk"] == 1)
+        sel += [
+            F.col("_r.sk").alias("req_snapshot"),
+            idx.cast("array<int>").alias(OVR + "req"),
+            F.concat(F.array(F.lit(0)),
+                     F.transform(F.sequence(F.lit(1), F.size(ovr)),
+                                 lambda k: F.aggregate(F.slice(ovr, 1, k), F.lit(0),
+                                                       lambda a, x: a + x["ol"]))).cast("array<int>")
+            .alias(OVR + "offsets"),
+            *[F.flatten(F.transform(ovr, _field(f"o{j}"))).alias(OVR + sf.name)
+              for j, sf in enumerate(layout.seq_fields)],
+        ]
+    r = g.select(*sel)
+    out = r.join(seq, on=["user", *part, "chunk"], how="left")
+    seq_types = {sf.name: sf.type for sf in layout.seq_fields}
+    for n in seq_map:
+        out = out.withColumn(SEQ + n, F.coalesce(F.col(SEQ + n), F.array().cast(
+            S.arrow_to_spark(S.list_of(seq_types[n])))))
+    n_imps = F.aggregate(F.col("req_num_imps"), F.lit(0), lambda a, x: a + x)
+    ovr_events = F.element_at(F.col(OVR + "offsets"), -1) if layout.fat else F.lit(0)
+    first = next(iter(seq_map))
+    out = out.select(
+        "*",
+        F.lit(S.FORMAT_VERSION).alias("format_version"),
+        _value(kind).alias("kind"),
+        F.coalesce(_value(window_start).cast("date"),
+                   day_of(F.array_min("req_time"), cfg.units_per_second)).alias("window_start"),
+        _value(window_end).cast("date").alias("window_end"),
+        F.size("req_time").cast("int").alias("num_requests"),
+        n_imps.cast("int").alias("num_impressions"),
+        F.size(SEQ + first).cast("int").alias("seq_len"),
+    )
+    out = out.withColumn("cost", (F.col("seq_len") + F.col("num_impressions") + ovr_events).cast("long"))
+    out = out.withColumn("sample_id", F.xxhash64(F.col("kind"), F.col("window_end").cast("string"),
+                                                 F.col("user").cast("string"), F.col("chunk")))
+    return out.select(*[f.name for f in S.samples_schema(layout).fields])
+
+
+def lean_samples(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame, kind: str,
+                 window_start: dt.date, window_end: dt.date) -> DataFrame:
+    """Samples of one set (pretrain, or one window) from a stream and the set's requests."""
+    L = cfg.max_seq_len
+    events_idx, req_end = index_stream(cfg, layout, events, requests)
+    # pointers and chunks on narrow rows (keys and sizes); the wide columns join back once
+    reqs = requests.select("user", "req_id", "req_time", "num_imps").join(
+        req_end, on=["user", "req_id", "req_time"], how="inner")
+    reqs = (reqs.withColumn("_e", F.col("_seq_end"))
+                .withColumn("_b", F.greatest(F.lit(0).cast("long"), F.col("_e") - F.lit(L)))
+                .withColumn("_len", F.col("_e") - F.col("_b"))
+                .withColumn("_c", F.col("num_imps").cast("long")))
+    reqs = assign_chunks(cfg, reqs)
+    wc = Window.partitionBy("user", "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    reqs = (reqs.withColumn("lo", F.min(F.when(F.col("_len") > 0, F.col("_b"))).over(wc))
+                .withColumn("hi", F.max(F.when(F.col("_len") > 0, F.col("_e"))).over(wc))
+                .withColumn("lo", F.coalesce(F.col("lo"), F.lit(0)))
+                .withColumn("hi", F.coalesce(F.col("hi"), F.lit(0)))
+                .withColumn("_b", F.when(F.col("_len") > 0, F.col("_b")).otherwise(F.col("lo")))
+                .withColumn("_e", F.when(F.col("_len") > 0, F.col("_e")).otherwise(F.col("lo"))))
+    reqs = keep(reqs.select("user", "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e"))
+    ranges = reqs.select("user", "chunk", "lo", "hi").distinct()
+    ev = route_events(cfg, events_idx, ranges)
+    wide = requests.join(reqs, on=["user", "req_id", "req_time"], how="inner")
+    seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
+    return sample_rows(cfg, layout, ev, wide, kind, window_start, window_end, seq_map)

@@ -1,0 +1,87 @@
+"""Ship the project to Spark executors: the wheel, and a --py-files zip made from it.
+
+Why a zip beside the wheel: ``userwise`` is a namespace package (PEP 420, no
+``__init__.py``), and Python's zipimport finds a namespace package only when
+the archive holds an entry for its directory. ``pip wheel`` writes no
+directory entries, so ``--py-files userwise-0.1.0-py3-none-any.whl`` leaves
+``import userwise.pipelines`` failing on executors (Python 3.11). The zip
+holds the same files as the wheel plus those directory entries (and no
+``.dist-info``).
+
+    python -m userwise.pipelines.runtime.ship            # -> dist/userwise-0.1.0-pyfiles.zip
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from userwise.pipelines.errors import UserwiseError
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def build_wheel(dist: str | Path = "dist", project: str | Path = PROJECT) -> Path:
+    """``pip wheel --no-deps`` of the project into ``dist``; returns the wheel's path."""
+    dist = Path(dist).resolve()
+    dist.mkdir(parents=True, exist_ok=True)
+    for old in glob.glob(str(dist / "userwise-*.whl")):
+        Path(old).unlink()
+    had_build = (Path(project) / "build").exists()
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(dist), str(project)], capture_output=True, text=True)
+    if not had_build:  # setuptools leaves build/ in the project; not ours to keep
+        shutil.rmtree(Path(project) / "build", ignore_errors=True)
+    wheels = glob.glob(str(dist / "userwise-*.whl"))
+    if r.returncode != 0 or len(wheels) != 1:
+        raise UserwiseError(f"pip wheel of {project} failed: {(r.stdout + r.stderr)[-800:]}")
+    return Path(wheels[0])
+
+
+def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
+    """Copy the wheel's modules into a zip with directory entries (see the module doc)."""
+    wheel = Path(wheel)
+    out = Path(out) if out else wheel.with_name(wheel.name.split("-py")[0] + "-pyfiles.zip")
+    tmp = out.with_name(out.name + ".tmp")
+    with zipfile.ZipFile(wheel) as zi, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zo:
+        dirs: set[str] = set()
+        for name in sorted(zi.namelist()):
+            if ".dist-info/" in name:
+                continue
+            parts = name.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i]) + "/"
+                if d not in dirs:
+                    dirs.add(d)
+                    zo.writestr(zipfile.ZipInfo(d, date_time=(1980, 1, 1, 0, 0, 0)), b"")
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zo.writestr(info, zi.read(name))
+    tmp.replace(out)
+    return out
+
+
+def build(dist: str | Path = "dist", project: str | Path = PROJECT) -> Path:
+    """Build the wheel and the --py-files zip; returns the zip's path."""
+    return pyfiles_zip(build_wheel(dist, project))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m userwise.pipelines.runtime.ship", description=__doc__.splitlines()[0])
+    p.add_argument("--dist", default="dist")
+    a = p.parse_args(argv)
+    try:
+        print(build(a.dist))
+    except UserwiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The shard set manifest: read, validate, write (atomically, last), verify.
+
+A shard set is ``S/node=<k>/shard-<NNNNN>.parquet`` (+ ``.gds``) and
+``S/manifest.json``; without the manifest the set is incomplete and every
+reader here refuses it. ``S`` is a local path or any URL that pyarrow.fs
+(file, hdfs, s3, gs) or fsspec opens. No Spark here: ``stage`` and the loader
+use this module.
+
+Example::
+
+    m = manifest.load("/nvme/shards")          # raises ShardError when missing or newer
+    manifest.verify("/nvme/shards", node=0)    # sizes, checksums, schema
+    [s["path"] for s in manifest.node_shards(m, 0)]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+
+import pyarrow.fs as pafs
+
+from userwise.pipelines.errors import ShardError
+from userwise.schemas import MANIFEST_KEYS, MANIFEST_SHARD
+from userwise.schemas.core import SchemaError, check_version, schema_fingerprint
+
+MANIFEST = "manifest.json"
+# Every documented key but the writer settings added later (compression, dictionary and
+# row_group_rows are informational: a manifest without them still loads).
+INFORMATIONAL = ("compression", "dictionary", "row_group_rows")
+REQUIRED = tuple(k for k in MANIFEST_KEYS if k not in INFORMATIONAL)
+CHUNK = 4 << 20
+
+
+def resolve(root: str, fs=None) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a local path or a URL.
+
+    ``fs`` may be a pyarrow or an fsspec filesystem; URLs pyarrow cannot open
+    (e.g. ``memory://``, ``gcs://`` without pyarrow GCS) go through fsspec.
+    """
+    if fs is not None:
+        if not isinstance(fs, pafs.FileSystem):
+            fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+        return fs, root.rstrip("/") or "/"
+    if "://" not in root:
+        return pafs.LocalFileSystem(), os.path.abspath(root)
+    if root.startswith("file://"):
+        return pafs.LocalFileSystem(), os.path.abspath(root[len("file://"):])
+    try:
+        f, path = pafs.FileSystem.from_uri(root)
+        return f, path.rstrip("/")
+    except Exception:  # noqa: BLE001 - not a pyarrow scheme: try fsspec
+        import fsspec
+
+        try:
+            f, path = fsspec.core.url_to_fs(root)
+        except Exception as e:  # noqa: BLE001
+            raise ShardError(f"{root}: cannot open this location ({e}); use a local path or a "
+                             "pyarrow.fs / fsspec URL (hdfs://, s3://, gs://)") from None
+        return pafs.PyFileSystem(pafs.FSSpecHandler(f)), path.rstrip("/")
+
+
+def join(base: str, rel: str) -> str:
+    return posixpath.join(base, rel) if "/" in base else os.path.join(base, rel)
+
+
+def file_sha256(path: str, fs=None) -> str:
+    """sha256 of a file's bytes (hex), streamed."""
+    f, p = resolve(path, fs)
+    h = hashlib.sha256()
+    with f.open_input_stream(p) as src:
+        while True:
+            b = src.read(CHUNK)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _exists(f: pafs.FileSystem, p: str) -> bool:
+    return f.get_file_info(p).type == pafs.FileType.File
+
+
+def load(root: str, fs=None) -> dict:
+    """Read and validate ``root/manifest.json``; raise ShardError naming the path."""
+    f, base = resolve(root, fs)
+    path = join(base, MANIFEST)
+    if not _exists(f, path):
+        raise ShardError(f"{path}: no manifest; the shard set is incomplete (preshard did not finish) "
+                         "or this is not a shard set root: rerun `userwise preshard`")
+    try:
+        with f.open_input_stream(path) as src:
+            m = json.loads(src.read().decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path}: not valid JSON ({e}); rerun `userwise preshard`") from None
+    return validate(m, path)
+
+
+def validate(m: dict, where: str = MANIFEST) -> dict:
+    if not isinstance(m, dict):
+        raise ShardError(f"{where}: a manifest is a JSON object")
+    try:
+        check_version(m.get("format_version"), where)
+    except SchemaError as e:
+        raise ShardError(str(e)) from None
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        raise ShardError(f"{where}: manifest lacks {missing}; rerun `userwise preshard`")
+    fp = schema_fingerprint_of(m["schema"])
+    if fp != m["schema_fingerprint"]:
+        raise ShardError(f"{where}: schema_fingerprint {m['schema_fingerprint']} does not match its "
+                         f"schema ({fp}); the manifest was edited or damaged")
+    keys = set(MANIFEST_SHARD.names) | {"set"}
+    for i, s in enumerate(m["shards"]):
+        lack = keys - set(s)
+        if lack:
+            raise ShardError(f"{where}: shards[{i}] lacks {sorted(lack)}")
+    return m
+
+
+def schema_fingerprint_of(schema_list) -> str:
+    """The fingerprint of a manifest's ``schema`` list ([[name, type, nullable], ...])."""
+    desc = [[n, t, bool(nl)] for n, t, nl in schema_list]
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def schema_list(schema) -> list:
+    return [[f.name, str(f.type), f.nullable] for f in schema]
+
+
+def write(root: str, manifest: dict, fs=None) -> str:
+    """Write ``root/manifest.json`` through a temporary name and a rename. Call it last."""
+    validate(manifest, join(root, MANIFEST))
+    f, base = resolve(root, fs)
+    path = join(base, MANIFEST)
+    tmp = join(base, f".{MANIFEST}.tmp-{os.getpid()}")
+    data = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
+    with f.open_output_stream(tmp) as out:
+        out.write(data)
+    f.move(tmp, path)
+    return path
+
+
+def node_shards(manifest: dict, node: int) -> list[dict]:
+    """The shards of one node, in set order (training order), then shard path."""
+    if not 0 <= node < int(manifest["nodes"]):
+        raise ShardError(f"node {node} is not in this shard set (nodes 0..{int(manifest['nodes']) - 1})")
+    order = {s["id"]: i for i, s in enumerate(manifest["sets"])}
+    out = [s for s in manifest["shards"] if int(s["node"]) == node]
+    return sorted(out, key=lambda s: (order.get(s["set"], len(order)), s["path"]))
+
+
+def shard_files(shard: dict) -> list[tuple[str, int, str]]:
+    """(relative path, bytes, sha256) of the files of one manifest shard (Parquet, then .gds)."""
+    out = [(shard["path"], int(shard["bytes"]), shard["sha256"])]
+    if shard.get("gds_path"):
+        out.append((shard["gds_path"], int(shard["gds_bytes"]), shard["gds_sha256"]))
+    return out
+
+
+def check_parquet(path: str, manifest: dict, fs=None) -> None:
+    """The file's Arrow schema has the manifest's fingerprint and format version."""
+    import pyarrow.parquet as pq
+
+    f, p = resolve(path, fs)
+    try:
+        with f.open_input_file(p) as src:
+            sch = pq.read_schema(src)
+    except Exception as e:  # noqa: BLE001 - a damaged footer
+        raise ShardError(f"{path}: not a readable Parquet file ({e})") from None
+    fp = schema_fingerprint(sch)
+    if fp != manifest["schema_fingerprint"]:
+        raise ShardError(f"{path}: schema fingerprint {fp} differs from the manifest's "
+                         f"{manifest['schema_fingerprint']}; the file is from another shard set")
+    v = (sch.metadata or {}).get(b"userwise.format_version")
+    if v is None or int(v) != int(manifest["format_version"]):
+        raise ShardError(f"{path}: format version {v and v.decode()} differs from the manifest's "
+                         f"{manifest['format_version']}")
+
+
+def verify(root: str, node: int | None = None, checksums: bool = True, fs=None) -> dict:
+    """Every listed shard (of ``node``, or all) exists with its size, checksum and schema.
+
+    Returns ``{"files": n, "bytes": b}``; raises ShardError naming the first bad file.
+    """
+    m = load(root, fs)
+    f, base = resolve(root, fs)
+    shards = m["shards"] if node is None else node_shards(m, node)
+    n = total = 0
+    for s in shards:
+        for rel, size, sha in shard_files(s):
+            p = join(base, rel)
+            info = f.get_file_info(p)
+            if info.type != pafs.FileType.File:
+                raise ShardError(f"{p}: listed in the manifest but missing")
+            if info.size != size:
+                raise ShardError(f"{p}: {info.size} bytes, the manifest says {size}")
+            if checksums:
+                got = file_sha256(p, f)
+                if got != sha:
+                    raise ShardError(f"{p}: checksum mismatch (sha256 {got[:12]}.., manifest "
+                                     f"{sha[:12]}..): the file is corrupt; copy it again")
+            n += 1
+            total += size
+        check_parquet(join(base, s["path"]), m, f)
+    return {"files": n, "bytes": total}

@@ -1,0 +1,221 @@
+"""Copy one node's shards onto local disk: parallel, verified, resumable.
+
+``userwise stage --shards S --node k --dest /nvme/x [--workers 8]``
+
+- ``S`` is a local path or any URL that pyarrow.fs or fsspec opens (hdfs://,
+  s3://, gs://, ...). The manifest must be there (else the set is incomplete)
+  and of this code's format version.
+- Every file is written as ``<name>.part``, hashed while it streams, and
+  renamed to its name only when its size and sha256 match the manifest; a
+  Parquet shard must also carry the manifest's schema fingerprint and format
+  version. A mismatch is refused with the file named.
+- Resume: files already at their final name are re-hashed (a local read) and
+  kept when they match; a ``.part`` left by an interrupted run continues
+  from its length (its prefix is hashed first; a bad prefix is copied again).
+- Free space for what is left to copy is checked before anything is copied.
+- ``dest/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
+  first and written last: a half-staged folder has none, and the loader
+  refuses it.
+
+No Spark here: trainers run this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+from userwise.pipelines.errors import ShardError
+from userwise.pipelines.shards import manifest as mf
+from userwise.schemas import FORMAT_VERSION
+
+MARGIN = 16 << 20  # free space kept besides what the copy needs
+CHUNK = 1 << 20
+
+
+class _Progress:
+    """Files, bytes and MB/s on stderr, at most every ``every`` seconds."""
+
+    def __init__(self, node: int, files: int, total: int, *, out=sys.stderr, every: float = 0.5,
+                 limit_mbps: float | None = None):
+        self.node, self.files, self.total, self.out, self.every = node, files, total, out, every
+        self.limit = limit_mbps * 1e6 if limit_mbps else None
+        self.done_files = self.done_bytes = 0
+        self.t0 = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done_bytes += n
+            now = time.monotonic()
+            if now - self.last >= self.every:
+                self.last = now
+                self._print(now)
+            ahead = self.done_bytes / self.limit - (now - self.t0) if self.limit else 0
+        if ahead > 0:
+            time.sleep(ahead)
+
+    def file_done(self) -> None:
+        with self.lock:
+            self.done_files += 1
+
+    def _print(self, now: float, end: str = "\n") -> None:
+        dt_ = max(now - self.t0, 1e-9)
+        print(f"stage node={self.node}: files {self.done_files}/{self.files}, "
+              f"{self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {self.done_bytes / 1e6 / dt_:.1f} MB/s",
+              file=self.out, end=end, flush=True)
+
+    def finish(self) -> float:
+        now = time.monotonic()
+        self._print(now)
+        return now - self.t0
+
+
+def _sha_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(CHUNK):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
+    if not os.path.exists(os.path.join(dest, mf.MANIFEST)):
+        return
+    try:
+        old = mf.load(dest)
+    except ShardError:
+        return  # a damaged leftover: it is removed and rewritten
+    same = ({k: v for k, v in old.items() if k != "staged_node"} == m) and old.get("staged_node") == node
+    if not same:
+        what = f"node {old.get('staged_node')} of {old.get('source', {}).get('table')} " \
+               f"(version {old.get('source', {}).get('version')}, schema {old.get('schema_fingerprint')})"
+        raise ShardError(f"{dest}: already holds {what}, a different shard set or node; "
+                         "stage into an empty folder or delete it first")
+
+
+def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: float | None = None,
+          fs=None, out=sys.stderr) -> dict:
+    """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict."""
+    src_fs, src_base = mf.resolve(shards, fs)
+    m = mf.load(shards, fs)
+    if int(m["format_version"]) != FORMAT_VERSION:
+        raise ShardError(f"{shards}: shard format version {m['format_version']} differs from this "
+                         f"reader's {FORMAT_VERSION}; use the userwise version that wrote it or rerun preshard")
+    items = [f for s in mf.node_shards(m, node) for f in mf.shard_files(s)]
+    if not items:
+        raise ShardError(f"{shards}: the manifest lists no shards for node {node}")
+    dest = os.path.abspath(dest)
+    os.makedirs(dest, exist_ok=True)
+    _check_dest_manifest(dest, m, node)
+    dman = os.path.join(dest, mf.MANIFEST)
+    if os.path.exists(dman):
+        os.remove(dman)
+
+    # 1. what is already there and verified
+    pending, skipped = [], 0
+    for rel, size, sha in items:
+        final = os.path.join(dest, rel)
+        if os.path.isfile(final):
+            if os.path.getsize(final) == size and _sha_file(final) == sha:
+                skipped += 1
+                continue
+            os.remove(final)
+        pending.append((rel, size, sha))
+
+    # 2. room for the rest, before copying anything
+    need = 0
+    for rel, size, _ in pending:
+        part = os.path.join(dest, rel) + ".part"
+        have = os.path.getsize(part) if os.path.isfile(part) else 0
+        need += size - min(have, size)
+    free = disk_free(dest)
+    if free < need + MARGIN:
+        raise ShardError(f"{dest}: {free / 1e9:.2f} GB free, node {node} needs {need / 1e9:.2f} GB "
+                         f"(+{MARGIN >> 20} MB margin); free space or choose another --dest")
+
+    # 3. copy in parallel
+    prog = _Progress(node, len(pending), sum(s for _, s, _ in pending), out=out, limit_mbps=limit_mbps)
+    chunk = CHUNK if not limit_mbps else max(4096, min(CHUNK, int(limit_mbps * 1e6 / 20)))
+    stop = threading.Event()
+    resumed = []
+
+    def one(rel: str, size: int, sha: str) -> None:
+        final = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        part = final + ".part"
+        for attempt in (0, 1):
+            offset = 0
+            h = hashlib.sha256()
+            if attempt == 0 and os.path.isfile(part) and os.path.getsize(part) <= size:
+                with open(part, "rb") as f:
+                    while b := f.read(CHUNK):
+                        h.update(b)
+                        offset += len(b)
+                if offset:
+                    resumed.append(rel)
+            src_path = mf.join(src_base, rel)
+            with src_fs.open_input_file(src_path) as src, open(part, "ab" if offset else "wb") as dst:
+                if offset:
+                    src.seek(offset)
+                while not stop.is_set():
+                    b = src.read(chunk)
+                    if not b:
+                        break
+                    dst.write(b)
+                    h.update(b)
+                    offset += len(b)
+                    prog.add(len(b))
+                dst.flush()
+                os.fsync(dst.fileno())
+            if stop.is_set():
+                return
+            if offset == size and h.hexdigest() == sha:
+                break
+            os.remove(part)
+            if attempt == 1 or offset > size:
+                raise ShardError(f"{src_path}: checksum mismatch ({offset} bytes, sha256 {h.hexdigest()[:12]}..; "
+                                 f"manifest: {size} bytes, {sha[:12]}..): the source file is corrupt or "
+                                 "was changed after preshard; rerun `userwise preshard`")
+        if rel.endswith(".parquet"):
+            try:
+                mf.check_parquet(part, m)
+            except ShardError:
+                os.remove(part)
+                raise
+        os.replace(part, final)
+        prog.file_done()
+
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        futs = [ex.submit(one, *it) for it in pending]
+        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        err = next((f.exception() for f in done if f.exception() is not None), None)
+        if err is not None:
+            stop.set()
+            wait(futs)
+            raise err
+    seconds = prog.finish()
+
+    # 4. the manifest, last
+    mf.write(dest, dict(m, staged_node=node))
+    return {"node": node, "dest": dest, "files": len(items), "copied": len(pending), "skipped": skipped,
+            "resumed": len(resumed), "bytes": prog.done_bytes, "seconds": round(seconds, 3),
+            "mb_per_s": round(prog.done_bytes / 1e6 / max(seconds, 1e-9), 2)}
+
+
+def disk_free(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def cli(args) -> int:
+    import json
+
+    rep = stage(args.shards, args.node, args.dest, workers=args.workers,
+                limit_mbps=getattr(args, "limit_mbps", None))
+    print(json.dumps(rep))
+    return 0

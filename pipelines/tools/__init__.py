@@ -1,0 +1,1 @@
+"""Tools beside the data path: synthetic logs (``userwise synth``) and the demo (``make demo``)."""

@@ -1,0 +1,759 @@
+"""`userwise synth`: a synthetic point-wise impression log, lean and fat.
+
+What it writes into ``OUT`` (see docs/synth.md):
+
+- ``lean/``    impressions (:data:`schemas.SYNTH_IMPRESSIONS`), one row each;
+- ``fat/``     the same rows, each carrying its user's sequence snapshot
+  (:data:`schemas.SYNTH_FAT_IMPRESSIONS`), as a legacy point-wise sample log would;
+- ``actions/`` a separate action log from other surfaces (:data:`schemas.SYNTH_ACTIONS`);
+- ``config.yaml`` (lean, with ``columns.actions``) and ``config_fat.yaml`` (fat);
+- ``bad_rows.json``: ``{reason: rows}`` of the malformed rows injected by ``--bad-rows``;
+- ``synth.json``: the arguments, the parameters, row counts and who the bot is.
+
+Every kind is hive-partitioned by ``date`` (``date=YYYY-MM-DD/part-CCCCC.parquet``,
+the UTC day of ``request_ts`` / ``ts``; the column lives in the path, not in the
+files), as Parquet or as a Delta table (the same files plus a ``_delta_log``
+written by ``deltalake``, no Spark).
+
+How it scales: users are cut into blocks of :data:`BLOCK` users; every random
+draw comes from a generator seeded by ``(seed, stream, day, block)``, so the
+data do not depend on how blocks are grouped into files, and the same seed and
+arguments give byte-identical Parquet files. The loop is chunk of blocks ->
+day -> block; each (block, day) is generated with vectorised numpy, and the fat
+snapshot is computed from a per-block carry of the newest L actions, so memory
+is bounded by the chunk size, not by the number of rows.
+
+The fat snapshot follows DESIGN "The pointer": a user's stream is the
+impressions with click>0 or like>0, each an event at ``action_ts``, in the
+order (action_ts, request_ts, request_id, position, item_id, bits); an
+impression's snapshot is the last L events with ``action_ts < request_ts``,
+oldest first, ``[]`` when none. Injected bad rows add no events; the action
+log is not part of the snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import yaml
+
+from userwise import schemas as S
+from userwise.pipelines.errors import UserwiseError
+
+MS_PER_HOUR = 3_600_000
+MS_PER_DAY = 86_400_000
+BLOCK = 1024
+"""Users per random-number block: the unit of determinism (never change it lightly)."""
+
+KINDS = ("lean", "fat", "actions")
+BAD_REASONS = (
+    "null_user",  # user_id is null
+    "null_item",  # item_id is null
+    "null_request_ts",  # request_ts is null
+    "time_out_of_range",  # request_ts in the 1990s (before config min_year 2000)
+    "action_before_request",  # click=1 and action_ts < request_ts
+    "duplicate_row",  # an exact copy of a clean, unclicked row
+    "request_id_reused",  # one request_id with two users (2 injected rows per case)
+    "duplicate_position",  # two rows with one (request_id, position), different items (2 rows)
+)
+# Streams of the seed sequence: (seed, stream, day, block)
+_USERS, _DAY, _ACTIONS, _BAD, _ITEMS = 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Distribution parameters of the generator, and the public statistics behind them.
+
+    Sources (numbers as published):
+
+    - RecFlow (Kuaishou, ICLR 2025, openreview vVHc8bGRns): 38M exposed
+      interactions of 42K users on ~9M items from 9.3M requests in 37 days,
+      i.e. ~4.1 exposures per request and ~6 requests per user per day.
+    - KuaiRand (Kuaishou, CIKM 2022, arXiv 2208.08696): 12 feedback signals
+      (click, like, view time...) per exposure, two weeks, "each user has
+      thousands of historical interactions on average".
+    - MIND (Microsoft News, ACL 2020): 1M users, ~160K news, >15M impression
+      logs in 6 weeks (~15 impressions per user); every impression holds a
+      list of shown news with clicked / not-clicked labels.
+    - Taobao UserBehavior (Tianchi): ~1M users, ~100M behaviours (pv, cart,
+      fav, buy) from 2017-11-25 to 2017-12-03 (9 days), ~11 per user per
+      day; every behaviour carries an item category id.
+    """
+
+    # -- items ----------------------------------------------------------------
+    zipf_s: float = 1.1
+    """Item popularity P(rank r) ~ r^-s over the starting catalogue (--items).
+    Web/video popularity is Zipf-like with s near 1; ~9M items for 38M
+    interactions in RecFlow means a long tail that most items barely reach."""
+    new_items_per_day: float = 0.01
+    """New items released each day, as a share of --items (ids after the catalogue)."""
+    fresh_share: float = 0.10
+    """Share of impressions drawn uniformly from the items released in the last
+    `fresh_days` days: fresh content is over-exposed in short-video feeds."""
+    fresh_days: int = 3
+    items_per_category: int = 50
+    """Categories = ceil(items / 50). Taobao's rows carry a category id; short-video
+    logs carry a (coarser) tag / category per item."""
+    items_per_author: int = 20
+    """Authors (creators) = ceil(items / 20)."""
+
+    # -- users ----------------------------------------------------------------
+    requests_per_day_median: float = 4.0
+    """Median requests per active user per day; the lognormal's mean is
+    median * exp(sigma^2 / 2) = 6.6, near RecFlow's ~6 requests per user per day."""
+    requests_per_day_sigma: float = 1.0
+    """Lognormal sigma of a user's request rate (heavy tail: p99 ~ 10x the median)."""
+    heavy_share: float = 0.01
+    """Share of heavy users, whose rate is multiplied by `heavy_factor`."""
+    heavy_factor: float = 10.0
+    bot_factor: float = 300.0
+    """One bot-like user requests bot_factor x the median rate (~1,200 a day), around
+    the clock, orders of magnitude above the rest (what skew handling must survive)."""
+    one_shot_share: float = 0.05
+    """Share of users with exactly one request in the whole run (cold users)."""
+    same_ms_request: float = 0.003
+    """Probability that a request repeats the previous request's millisecond (a double
+    fire of the client): rare ties of request_ts within one user."""
+    diurnal: tuple[float, ...] = (
+        2, 1.5, 1, 1, 1, 1.5, 3, 5, 6, 6, 6, 7, 8, 7, 6, 6, 6, 7, 8, 9, 10, 9, 6, 3,
+    )
+    """Relative request weight per UTC hour (the bot ignores it)."""
+
+    # -- requests -------------------------------------------------------------
+    imps_min: int = 4
+    """At least 4 impressions per request (RecFlow: ~4.1 exposures per request)."""
+    imps_max: int = 50
+    """At most 50 (news pages list dozens of items: MIND's impression lists)."""
+    imps_extra_mean: float = 8.0
+    """Impressions = 4 + NegBin(mean 8, shape 1.5), clipped to 50: mean ~12, long tail."""
+    imps_extra_shape: float = 1.5
+
+    # -- labels ---------------------------------------------------------------
+    ctr: float = 0.03
+    """Mean click-through per impression (feeds and news logs: a few percent)."""
+    ctr_user_sigma: float = 0.5
+    """Lognormal (mean 1) click propensity per user."""
+    position_decay: float = 0.2
+    """Click probability ~ (1 + position)^-decay, normalised to keep the mean at `ctr`."""
+    like_given_click: float = 0.12
+    """like only after a click and rarer by ~an order of magnitude (KuaiRand's
+    secondary signals are much sparser than clicks)."""
+
+    # -- time -----------------------------------------------------------------
+    dwell_median_ms: float = 20_000.0
+    """Lognormal dwell before a click's action is logged (median 20 s)."""
+    dwell_sigma: float = 1.0
+    zero_dwell: float = 0.02
+    """Share of clicks logged in the request's own millisecond (action_ts == request_ts)."""
+    batch_dwell: float = 0.05
+    """Share of requests whose clicks are reported in one batch: one action_ts for all
+    (ties in the stream, broken by position)."""
+    late: float = 0.01
+    """Share of clicks logged 1 to 36 hours late (often on a later UTC day)."""
+    exposure_ms_per_position: float = 700.0
+    """Unclicked rows: action_ts = request_ts + position * 0.7 s + Exp(0.5 s) (scrolled past)."""
+
+    # -- the separate action log ----------------------------------------------
+    action_log_rate: float = 0.3
+    """Events per day in the action log, as a share of the user's request rate."""
+    action_log_like: float = 0.1
+
+    # -- features -------------------------------------------------------------
+    devices: tuple[str, ...] = ("android", "ios", "web", "pad")
+    device_weights: tuple[float, ...] = (0.55, 0.3, 0.1, 0.05)
+    device_stickiness: float = 0.9
+    countries: tuple[str, ...] = (
+        "CN", "US", "IN", "BR", "ID", "JP", "DE", "GB", "FR", "MX", "KR", "RU", "TR", "VN", "IT", "ES",
+    )
+    age_buckets: int = 8
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def _rng(seed: int, *stream: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
+def _mix(x: np.ndarray, salt: int) -> np.ndarray:
+    """A fixed 64-bit hash (splitmix64 finaliser): side-info as a pure function of the id."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15 ^ salt)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ranges [starts[i], starts[i] + lengths[i]) as one index array."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) - np.repeat(offs - starts, lengths)
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each group of size c, concatenated."""
+    return _segments(np.zeros(len(counts), np.int64), counts)
+
+
+def _lpad(a: np.ndarray, width: int) -> pa.Array:
+    return pc.utf8_lpad(pc.cast(pa.array(a, pa.int64()), pa.string()), width, "0")
+
+
+def _file_schema(table: S.TableSchema) -> pa.Schema:
+    sch = table.to_arrow()
+    return sch.remove(sch.get_field_index("date"))
+
+
+LEAN_SCHEMA = _file_schema(S.SYNTH_IMPRESSIONS)
+FAT_SCHEMA = _file_schema(S.SYNTH_FAT_IMPRESSIONS)
+ACTIONS_SCHEMA = _file_schema(S.SYNTH_ACTIONS)
+
+
+# ---------------------------------------------------------------------------
+# the world: users and items (functions of the seed and the arguments)
+# ---------------------------------------------------------------------------
+@dataclass
+class World:
+    seed: int
+    params: SynthParams
+    start_ms: int  # first day's 00:00 UTC, epoch ms
+    days: int
+    n_users: int
+    n_items: int
+    bot: int  # the bot's user index (user_id = index + 1)
+    max_seq_len: int
+
+    def __post_init__(self):
+        p = self.params
+        ranks = np.arange(1, self.n_items + 1, dtype=np.float64)
+        self.cdf = np.cumsum(ranks ** -p.zipf_s)
+        self.cdf /= self.cdf[-1]
+        self.perm = _rng(self.seed, _ITEMS).permutation(self.n_items)
+        self.new_per_day = max(1, math.ceil(self.n_items * p.new_items_per_day))
+        total_items = self.n_items + self.days * self.new_per_day
+        self.n_categories = max(1, math.ceil(total_items / p.items_per_category))
+        self.n_authors = max(1, math.ceil(total_items / p.items_per_author))
+        dw = np.asarray(p.diurnal, np.float64)
+        self.diurnal = dw / dw.sum()
+        pos = np.arange(p.imps_min + p.imps_extra_mean)
+        self.pos_norm = float(np.mean((1.0 + pos) ** -p.position_decay))
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n_users // BLOCK)
+
+    def day_ms(self, d: int) -> int:
+        return self.start_ms + d * MS_PER_DAY
+
+    def date(self, d: int) -> dt.date:
+        return dt.date(1970, 1, 1) + dt.timedelta(milliseconds=self.day_ms(d))
+
+    # -- items --------------------------------------------------------------
+    def sample_items(self, rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+        p = self.params
+        fresh = rng.random(n) < p.fresh_share
+        rank = np.searchsorted(self.cdf, rng.random(n), side="right")
+        rank = np.minimum(rank, self.n_items - 1)
+        lo = max(0, d - p.fresh_days + 1) * self.new_per_day
+        hi = (d + 1) * self.new_per_day
+        new = self.n_items + rng.integers(lo, hi, n)
+        return np.where(fresh, new, self.perm[rank]).astype(np.int64) + 1  # item ids start at 1
+
+    def category(self, item_id: np.ndarray) -> np.ndarray:
+        return (_mix(item_id, 0xCA7) % np.uint64(self.n_categories)).astype(np.int32)
+
+    def author(self, item_id: np.ndarray) -> np.ndarray:
+        return (_mix(item_id, 0xA07) % np.uint64(self.n_authors)).astype(np.int64) + 1
+
+    # -- users ----------------------------------------------------------------
+    def users(self, b: int) -> dict:
+        """Constant per-user attributes of block b (a fixed number of draws per user)."""
+        p = self.params
+        u0, u1 = b * BLOCK, min((b + 1) * BLOCK, self.n_users)
+        n = u1 - u0
+        rng = _rng(self.seed, _USERS, b)
+        heavy = rng.random(n) < p.heavy_share
+        one_shot = (rng.random(n) < p.one_shot_share) & ~heavy
+        rate = rng.lognormal(math.log(p.requests_per_day_median), p.requests_per_day_sigma, n)
+        rate = np.where(heavy, rate * p.heavy_factor, rate)
+        one_shot_day = rng.integers(0, self.days, n)
+        s = p.ctr_user_sigma
+        prop = rng.lognormal(-s * s / 2, s, n)
+        device = rng.choice(len(p.devices), n, p=np.asarray(p.device_weights) / sum(p.device_weights))
+        age = rng.integers(0, p.age_buckets, n).astype(np.int8)
+        cw = 1.0 / np.arange(1, len(p.countries) + 1)
+        country = rng.choice(len(p.countries), n, p=cw / cw.sum())
+        idx = np.arange(u0, u1)
+        bot = idx == self.bot
+        rate = np.where(bot, p.bot_factor * p.requests_per_day_median, rate)
+        heavy &= ~bot
+        one_shot &= ~bot
+        return dict(u0=u0, n=n, heavy=heavy, one_shot=one_shot, one_shot_day=one_shot_day, rate=rate,
+                    prop=prop, device=device, age=age, country=country, bot=bot)
+
+
+def expected_impressions_per_user_day(p: SynthParams, days: int) -> float:
+    """Mean impressions of one ordinary user per day (bot excluded)."""
+    lognorm_mean = p.requests_per_day_median * math.exp(p.requests_per_day_sigma ** 2 / 2)
+    rate = (1 - p.heavy_share - p.one_shot_share * (1 - p.heavy_share)) * lognorm_mean \
+        + p.heavy_share * p.heavy_factor * lognorm_mean + p.one_shot_share * (1 - p.heavy_share) / days
+    rng = np.random.default_rng(0)
+    nb_p = p.imps_extra_shape / (p.imps_extra_shape + p.imps_extra_mean)
+    imps = np.clip(p.imps_min + rng.negative_binomial(p.imps_extra_shape, nb_p, 200_000), p.imps_min, p.imps_max)
+    return rate * float(imps.mean())
+
+
+# ---------------------------------------------------------------------------
+# one (block, day)
+# ---------------------------------------------------------------------------
+def gen_impressions(w: World, U: dict, d: int) -> dict:
+    """The clean impressions of one block and day, sorted by (user, request_ts, request, position)."""
+    p = w.params
+    rng = _rng(w.seed, _DAY, d, U["u0"] // BLOCK)
+    n = U["n"]
+    n_req = rng.poisson(U["rate"])
+    n_req = np.where(U["one_shot"], (U["one_shot_day"] == d).astype(np.int64), n_req)
+    R = int(n_req.sum())
+    ru = np.repeat(np.arange(n), n_req)  # local user of each request
+    hour = rng.choice(24, R, p=w.diurnal)
+    hour = np.where(U["bot"][ru], rng.integers(0, 24, R), hour)
+    ms = hour.astype(np.int64) * MS_PER_HOUR + rng.integers(0, MS_PER_HOUR, R)
+    order = np.lexsort((ms, ru))
+    ms = ms[order]
+    same = rng.random(R) < p.same_ms_request
+    same[1:] &= ru[1:] == ru[:-1]
+    if R:
+        same[0] = False
+    src = np.maximum.accumulate(np.where(same, 0, np.arange(R)))
+    ms = ms[src]
+    k = _within(n_req)
+    if R and int(k.max()) >= 1_000_000:
+        raise UserwiseError("synth: a user has over 999,999 requests in a day; lower bot_factor")
+    rts = w.day_ms(d) + ms
+    dev = np.where(rng.random(R) < p.device_stickiness, U["device"][ru], rng.integers(0, len(p.devices), R))
+    nb_p = p.imps_extra_shape / (p.imps_extra_shape + p.imps_extra_mean)
+    n_imp = np.clip(p.imps_min + rng.negative_binomial(p.imps_extra_shape, nb_p, R), p.imps_min, p.imps_max)
+    batch = rng.random(R) < p.batch_dwell
+    batch_dwell = rng.lognormal(math.log(p.dwell_median_ms), p.dwell_sigma, R)
+
+    N = int(n_imp.sum())
+    rq = np.repeat(np.arange(R), n_imp)  # request of each row
+    pos = _within(n_imp)
+    item = w.sample_items(rng, N, d)
+    u = ru[rq]
+    pclick = np.clip(p.ctr * U["prop"][u] * (1.0 + pos) ** -p.position_decay / w.pos_norm, 0.0, 0.9)
+    click = rng.random(N) < pclick
+    like = click & (rng.random(N) < p.like_given_click)
+    dwell = rng.lognormal(math.log(p.dwell_median_ms), p.dwell_sigma, N)
+    dwell = np.where(batch[rq], batch_dwell[rq], dwell)
+    dwell = np.where(rng.random(N) < p.zero_dwell, 0.0, dwell)
+    dwell = np.where(rng.random(N) < p.late, rng.uniform(1 * MS_PER_HOUR, 36 * MS_PER_HOUR, N), dwell)
+    exposure = pos * p.exposure_ms_per_position + rng.exponential(500.0, N)
+    dwell = np.where(click, dwell, exposure).astype(np.int64)
+    noise = rng.normal(0.0, 1.0, N)
+    score = (1.0 / (1.0 + np.exp(-(np.log(pclick / (1 - pclick)) + noise)))).astype(np.float32)
+    return dict(
+        R=R, N=N, req_user=ru, req_k=k, req_ts=rts, req_hour=(ms // MS_PER_HOUR).astype(np.int8), req_dev=dev,
+        rq=rq, user=u, pos=pos.astype(np.int32), item=item, click=click.astype(np.int8),
+        like=like.astype(np.int8), action_ts=rts[rq] + dwell, score=score,
+    )
+
+
+def request_ids(w: World, U: dict, d: int, local_user: np.ndarray, k: np.ndarray, tag: str = "-") -> pa.Array:
+    """d<YYYYMMDD>-u<user_id:010>-<k:06>: unique, and for one user sorted like (date, k)."""
+    prefix = "d" + w.date(d).strftime("%Y%m%d") + "-u"
+    return pc.binary_join_element_wise(prefix, _lpad(U["u0"] + local_user + 1, 10), tag, _lpad(k, 6), "")
+
+
+def lean_columns(w: World, U: dict, d: int, g: dict) -> dict:
+    rq, u = g["rq"], g["user"]
+    p = w.params
+    rid = request_ids(w, U, d, g["req_user"], g["req_k"])
+    return {
+        "user_id": pa.array(U["u0"] + u + 1, pa.int64()),
+        "request_id": rid.take(pa.array(rq)),
+        "request_ts": pa.array(g["req_ts"][rq], pa.int64()),
+        "action_ts": pa.array(g["action_ts"], pa.int64()),
+        "item_id": pa.array(g["item"], pa.int64()),
+        "position": pa.array(g["pos"], pa.int32()),
+        "click": pa.array(g["click"], pa.int8()),
+        "like": pa.array(g["like"], pa.int8()),
+        "category": pa.array(w.category(g["item"]), pa.int32()),
+        "author": pa.array(w.author(g["item"]), pa.int64()),
+        "device": pa.array(p.devices).take(pa.array(g["req_dev"][rq])),
+        "hour": pa.array(g["req_hour"][rq], pa.int8()),
+        "age_bucket": pa.array(U["age"][u], pa.int8()),
+        "country": pa.array(p.countries).take(pa.array(U["country"][u])),
+        "score": pa.array(g["score"], pa.float32()),
+    }
+
+
+class Carry:
+    """Per block: the user's action events that later requests may still see, in stream order.
+
+    Events (local user, action_ts, request_ts, request key, position, item, bits,
+    category); the request key orders request_ids of one user as strings do.
+    After each day only the newest L events before the next day start and
+    every event at or after it (late actions) are kept.
+    """
+
+    COLS = ("user", "ats", "rts", "rkey", "pos", "item", "bits", "cat")
+
+    def __init__(self):
+        self.ev = {c: np.zeros(0, np.int64) for c in self.COLS}
+
+    def snapshots(self, w: World, d: int, g: dict, L: int, n_users: int):
+        """Add the day's events, return per-row (start, length) into the sorted events."""
+        act = (g["click"] > 0) | (g["like"] > 0)
+        rq = g["rq"][act]
+        date_num = (w.day_ms(d) // MS_PER_DAY)
+        new = {
+            "user": g["user"][act].astype(np.int64),
+            "ats": g["action_ts"][act],
+            "rts": g["req_ts"][rq],
+            "rkey": date_num * 1_000_000 + g["req_k"][rq],
+            "pos": g["pos"][act].astype(np.int64),
+            "item": g["item"][act],
+            "bits": (g["click"][act].astype(np.int64) | (g["like"][act].astype(np.int64) << 1)),
+            "cat": w.category(g["item"][act]).astype(np.int64),
+        }
+        ev = {c: np.concatenate([self.ev[c], new[c]]) for c in self.COLS}
+        order = np.lexsort(tuple(ev[c] for c in reversed(self.COLS)))
+        ev = {c: v[order] for c, v in ev.items()}
+        base = w.start_ms - MS_PER_DAY  # keys stay positive below 2^42 ms
+        key = (ev["user"] << 42) + (ev["ats"] - base)
+        ukey = np.arange(n_users, dtype=np.int64) << 42
+        ubeg = np.searchsorted(key, ukey, side="left")
+        req_end = np.searchsorted(key, (g["req_user"].astype(np.int64) << 42) + (g["req_ts"] - base), side="left")
+        req_start = np.maximum(ubeg[g["req_user"]], req_end - L)
+        # trim: keep events at/after the next day, and the last L before it per user
+        nb = np.searchsorted(key, ukey + (w.day_ms(d + 1) - base), side="left")
+        keep = np.arange(len(key)) >= (nb[ev["user"]] - L)
+        self.ev = {c: v[keep] for c, v in ev.items()}
+        return ev, req_start, req_end - req_start
+
+
+def fat_columns(ev: dict, req_start: np.ndarray, req_len: np.ndarray, rq: np.ndarray) -> dict:
+    starts, lens = req_start[rq], req_len[rq]
+    idx = _segments(starts, lens)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+    def lst(values, t):
+        return pa.ListArray.from_arrays(offsets, pa.array(values, t), type=S.list_of(t))
+
+    return {
+        "hist_item_id": lst(ev["item"][idx], pa.int64()),
+        "hist_ts": lst(ev["ats"][idx], pa.int64()),
+        "hist_category": lst(ev["cat"][idx].astype(np.int32), pa.int32()),
+    }
+
+
+def inject_bad(w: World, U: dict, d: int, g: dict, lean: dict, fat: dict | None, share: float,
+               counts: dict) -> tuple[dict, dict | None, int]:
+    """Append malformed rows (their own request ids, except exact duplicates) and shuffle
+    them in; clean rows are never altered except `score` (NaN, benign). Returns the
+    number of NaN scores."""
+    N = g["N"]
+    if share <= 0 or N == 0:
+        return lean, fat, 0
+    rng = _rng(w.seed, _BAD, d, U["u0"] // BLOCK)
+    rows_per_injection = 1 + 2 / len(BAD_REASONS)  # two reasons add two rows each
+    n_inj = int(rng.binomial(N, share / (1 - share) / rows_per_injection))
+    reason = rng.integers(0, len(BAD_REASONS), n_inj)
+    tmpl = rng.integers(0, N, n_inj)
+    unclicked = np.flatnonzero(g["click"] == 0)
+    dup_src = unclicked[rng.integers(0, len(unclicked), n_inj)] if len(unclicked) else tmpl
+    nan_score = rng.random(N) < share / 4
+    two = np.isin(reason, [BAD_REASONS.index("request_id_reused"), BAD_REASONS.index("duplicate_position")])
+    # rows: one per injection, plus a second for the two-row reasons
+    inj = np.concatenate([np.arange(n_inj), np.flatnonzero(two)])
+    second = np.concatenate([np.zeros(n_inj, bool), np.ones(int(two.sum()), bool)])
+    order = np.argsort(inj, kind="stable")
+    inj, second = inj[order], second[order]
+    why = reason[inj]
+    r = {name: why == i for i, name in enumerate(BAD_REASONS)}
+    src = np.where(r["duplicate_row"], dup_src[inj], tmpl[inj])
+    n_bad = len(inj)
+
+    out = {c: a.take(pa.array(src)) for c, a in lean.items()}
+    # fresh request ids (own requests), except exact duplicates which keep theirs
+    rid_new = request_ids(w, U, d, g["user"][src], inj, tag="-x")
+    out["request_id"] = pc.if_else(pa.array(r["duplicate_row"]), out["request_id"], rid_new)
+    z8 = pa.array(np.zeros(n_bad, np.int8))
+    keep_labels = pa.array(r["duplicate_row"])
+    out["click"] = pc.if_else(keep_labels, out["click"], pa.array(r["action_before_request"].astype(np.int8)))
+    out["like"] = pc.if_else(keep_labels, out["like"], z8)
+    uid = U["u0"] + g["user"][src] + 1
+    other = np.where(uid % w.n_users + 1 == uid, uid, uid % w.n_users + 1)  # another user (if any)
+    uid = np.where(r["request_id_reused"] & second, other, uid)
+    out["user_id"] = pa.array(uid, pa.int64(), mask=r["null_user"])
+    out["item_id"] = pa.array(out["item_id"].to_numpy(zero_copy_only=False)
+                              + (r["duplicate_position"] & second), pa.int64(), mask=r["null_item"])
+    rts = g["req_ts"][g["rq"][src]]
+    rts = np.where(r["time_out_of_range"], rts - 36 * 365 * MS_PER_DAY, rts)  # the 1990s
+    ats = out["action_ts"].to_numpy()
+    ats = np.where(r["time_out_of_range"], rts, ats)
+    ats = np.where(r["action_before_request"], rts - rng.integers(1, 600_000, n_bad), ats)
+    out["request_ts"] = pa.array(rts, pa.int64(), mask=r["null_request_ts"])
+    out["action_ts"] = pa.array(ats, pa.int64())
+    posn = out["position"].to_numpy()
+    posn = np.where(r["request_id_reused"] & second, 1, np.where(r["request_id_reused"], 0, posn))
+    posn = np.where(r["duplicate_position"], 0, posn)
+    out["position"] = pa.array(posn.astype(np.int32))
+    out["category"] = pc.if_else(pa.array(r["duplicate_position"] & second),
+                                 pa.array(w.category(out["item_id"].fill_null(0).to_numpy())), out["category"])
+    out["author"] = pc.if_else(pa.array(r["duplicate_position"] & second),
+                               pa.array(w.author(out["item_id"].fill_null(0).to_numpy())), out["author"])
+    for name in BAD_REASONS:
+        counts[name] = counts.get(name, 0) + int(r[name].sum())
+
+    lean = dict(lean)
+    lean["score"] = pc.if_else(pa.array(nan_score), pa.scalar(float("nan"), pa.float32()), lean["score"])
+    # shuffle the bad rows in among the clean ones, deterministically
+    place = np.concatenate([np.arange(N, dtype=np.float64), rng.random(n_bad) * N])
+    perm = pa.array(np.argsort(place, kind="stable"))
+    merged = {c: pa.concat_arrays([lean[c], out[c]]).take(perm) for c in lean}
+    fmerged = None
+    if fat is not None:
+        fmerged = {c: pa.concat_arrays([a, a.take(pa.array(src))]).take(perm) for c, a in fat.items()}
+    return merged, fmerged, int(nan_score.sum())
+
+
+def gen_actions(w: World, U: dict, d: int) -> dict:
+    p = w.params
+    rng = _rng(w.seed, _ACTIONS, d, U["u0"] // BLOCK)
+    n = np.where(U["one_shot"], 0, rng.poisson(U["rate"] * p.action_log_rate))
+    M = int(n.sum())
+    u = np.repeat(np.arange(U["n"]), n)
+    hour = rng.choice(24, M, p=w.diurnal)
+    ts = w.day_ms(d) + hour * MS_PER_HOUR + rng.integers(0, MS_PER_HOUR, M)
+    order = np.lexsort((ts, u))
+    ts = ts[order]
+    item = w.sample_items(rng, M, d)
+    bits = np.where(rng.random(M) < p.action_log_like, 3, 1)
+    return {
+        "uid": pa.array(U["u0"] + u + 1, pa.int64()),
+        "iid": pa.array(item, pa.int64()),
+        "ts": pa.array(ts, pa.int64()),
+        "bits": pa.array(bits, pa.int64()),
+        "cat": pa.array(w.category(item), pa.int32()),
+        "auth": pa.array(w.author(item), pa.int64()),
+    }
+
+
+# ---------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------
+def _table(cols_list: list[dict], schema: pa.Schema) -> pa.Table:
+    arrays = [pa.concat_arrays([c[f.name] for c in cols_list]) for f in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _write(out: str, kind: str, date: dt.date, chunk: int, table: pa.Table) -> int:
+    folder = os.path.join(out, kind, f"date={date.isoformat()}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"part-{chunk:05d}.parquet")
+    pq.write_table(table, path, compression="zstd", row_group_size=256 * 1024, write_statistics=True)
+    return os.path.getsize(path)
+
+
+def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
+    """The config file written beside the data (passes config.load and .layout)."""
+    cols: dict = {
+        "user": "user_id", "request": "request_id", "request_time": "request_ts", "action_time": "action_ts",
+        "item": "item_id", "position": "position", "labels": ["click", "like"],
+        "item_features": ["category", "author"], "context_features": ["device", "hour"],
+        "user_features": ["age_bucket", "country"],
+    }
+    if fat:
+        cols["sequence"] = {"item": "hist_item_id", "time": "hist_ts", "category": "hist_category"}
+    elif actions:
+        cols["actions"] = {"user": "uid", "item": "iid", "time": "ts", "labels": "bits",
+                           "item_features": ["cat", "auth"]}
+    return {
+        "columns": cols,
+        "time_unit": "ms",
+        "max_seq_len": L,
+        "history_length": 2 * L,
+        # 20 L (at least L + 1): at the defaults heavy users and the bot split into several chunks
+        "max_sample_cost": max(20 * L, L + 1),
+        "seed": seed,
+    }
+
+
+def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 200, items: int = 5000,
+          impressions: int | None = None, max_seq_len: int = 50, fmt: str = "parquet",
+          kinds: tuple[str, ...] = KINDS, bad_rows: float = 0.0, seed: int = 0,
+          params: SynthParams | None = None, chunk_mb: float = 256.0, log=None) -> dict:
+    """Generate the logs into `out` and return the summary (also written to synth.json).
+
+    Example::
+
+        synth("/tmp/syn", days=1, users=100, fmt="delta", bad_rows=0.01)
+    """
+    p = params or SynthParams()
+    log = log or sys.stderr
+    if seed < 0:
+        raise UserwiseError(f"--seed {seed}: use a non-negative integer")
+    if not 0 <= bad_rows < 0.5:
+        raise UserwiseError(f"--bad-rows {bad_rows}: use a share in [0, 0.5)")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UserwiseError(f"--kinds {','.join(kinds)}: use a comma list of {', '.join(KINDS)}")
+    if fmt not in ("parquet", "delta"):
+        raise UserwiseError(f"--format {fmt}: use parquet or delta")
+    if impressions is not None:
+        if impressions < 1:
+            raise UserwiseError(f"--impressions {impressions}: must be at least 1")
+        per_user = expected_impressions_per_user_day(p, days) * days
+        bot = p.bot_factor * p.requests_per_day_median * days * (p.imps_min + p.imps_extra_mean)
+        users = max(10, round(max(impressions - bot, 0) / per_user))
+    if users < 2:
+        raise UserwiseError(f"--users {users}: need at least 2 (one of them is the bot)")
+    start_day = dt.date.fromisoformat(start)
+    start_ms = (start_day - dt.date(1970, 1, 1)).days * MS_PER_DAY
+    w = World(seed=seed, params=p, start_ms=start_ms, days=days, n_users=users, n_items=items,
+              bot=users // 2, max_seq_len=max_seq_len)
+    _prepare(out)
+
+    # chunk = a group of blocks per file, sized by estimated bytes per (chunk, day)
+    rows_per_block_day = BLOCK * expected_impressions_per_user_day(p, days)
+    bytes_per_row = 400 + (48 * max_seq_len if "fat" in kinds else 0)  # measured peak per row, roughly
+    blocks_per_chunk = max(1, int(chunk_mb * 2**20 / (rows_per_block_day * bytes_per_row)))
+    n_chunks = -(-w.n_blocks // blocks_per_chunk)
+
+    rows = {k: {} for k in kinds}
+    mb = {k: {} for k in kinds}
+    counts: dict[str, int] = {}
+    benign = 0
+    for c in range(n_chunks):
+        blocks = range(c * blocks_per_chunk, min((c + 1) * blocks_per_chunk, w.n_blocks))
+        userinfo = {b: w.users(b) for b in blocks}
+        carry = {b: Carry() for b in blocks}
+        for d in range(days):
+            date = w.date(d).isoformat()
+            lean_parts, fat_parts, act_parts = [], [], []
+            for b in blocks:
+                U = userinfo[b]
+                if "lean" in kinds or "fat" in kinds:
+                    g = gen_impressions(w, U, d)
+                    lean = lean_columns(w, U, d, g)
+                    fat = None
+                    if "fat" in kinds:
+                        ev, rs, rl = carry[b].snapshots(w, d, g, max_seq_len, U["n"])
+                        fat = fat_columns(ev, rs, rl, g["rq"])
+                    lean, fat, nb = inject_bad(w, U, d, g, lean, fat, bad_rows, counts)
+                    benign += nb
+                    lean_parts.append(lean)
+                    if fat is not None:
+                        fat_parts.append({**lean, **fat})
+                if "actions" in kinds:
+                    act_parts.append(gen_actions(w, U, d))
+            line = []
+            for kind, parts, schema in (("lean", lean_parts, LEAN_SCHEMA), ("fat", fat_parts, FAT_SCHEMA),
+                                        ("actions", act_parts, ACTIONS_SCHEMA)):
+                if kind not in kinds:
+                    continue
+                t = _table(parts, schema)
+                size = _write(out, kind, w.date(d), c, t) if t.num_rows else 0
+                rows[kind][date] = rows[kind].get(date, 0) + t.num_rows
+                mb[kind][date] = mb[kind].get(date, 0.0) + size / 2**20
+                line.append(f"{kind} {t.num_rows:,} rows {size / 2**20:.1f} MB")
+            print(f"synth: {date} chunk {c + 1}/{n_chunks}: " + ", ".join(line), file=log, flush=True)
+
+    for d in range(days):
+        date = w.date(d).isoformat()
+        print(f"synth: {date} total: " + ", ".join(
+            f"{k} {rows[k].get(date, 0):,} rows {mb[k].get(date, 0):.1f} MB" for k in kinds), file=log)
+
+    if fmt == "delta":
+        _to_delta(out, kinds)
+    summary = {
+        "format": fmt,
+        "args": dict(start=start, days=days, users=users, items=items, impressions=impressions,
+                     max_seq_len=max_seq_len, kinds=list(kinds), bad_rows=bad_rows, seed=seed),
+        "params": p.to_dict(),
+        "users": users,
+        "bot_user_id": w.bot + 1,
+        "heavy_user_ids": _heavy_ids(w),
+        "rows": rows,
+        "bad_rows": {r: counts.get(r, 0) for r in BAD_REASONS},
+        "benign": {"nan_score": benign},
+    }
+    with open(os.path.join(out, "bad_rows.json"), "w") as f:
+        json.dump(summary["bad_rows"], f, indent=1, sort_keys=True)
+    with open(os.path.join(out, "synth.json"), "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+    if "lean" in kinds:
+        _write_yaml(os.path.join(out, "config.yaml"), make_config(max_seq_len, seed, False, "actions" in kinds))
+    if "fat" in kinds:
+        _write_yaml(os.path.join(out, "config_fat.yaml"), make_config(max_seq_len, seed, True, False))
+    return summary
+
+
+def _heavy_ids(w: World) -> list[int]:
+    out = []
+    for b in range(w.n_blocks):
+        U = w.users(b)
+        out += (np.flatnonzero(U["heavy"]) + U["u0"] + 1).tolist()
+    return out
+
+
+def _write_yaml(path: str, cfg: dict) -> None:
+    head = "# Written by `userwise synth`; run: userwise build --config <this file> --input <the data>\n"
+    with open(path, "w") as f:
+        f.write(head + yaml.safe_dump(cfg, sort_keys=False))
+
+
+def _prepare(out: str) -> None:
+    """An empty folder, or an earlier synth output (replaced)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserwiseError(f"--output {out} is a file; give a folder")
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.exists(os.path.join(out, "synth.json")):
+            raise UserwiseError(f"--output {out} is not empty and not an earlier synth output; give a new folder")
+        for k in KINDS:
+            shutil.rmtree(os.path.join(out, k), ignore_errors=True)
+        for f in ("config.yaml", "config_fat.yaml", "bad_rows.json", "synth.json"):
+            if os.path.exists(os.path.join(out, f)):
+                os.remove(os.path.join(out, f))
+    os.makedirs(out, exist_ok=True)
+
+
+def _to_delta(out: str, kinds) -> None:
+    """Turn each hive-partitioned Parquet folder into a Delta table in place (delta-rs)."""
+    from deltalake import Schema, convert_to_deltalake
+
+    part = Schema.from_arrow(pa.schema([pa.field("date", pa.date32())]))
+    for k in kinds:
+        path = os.path.join(out, k)
+        if os.path.isdir(path):
+            convert_to_deltalake(path, partition_by=part, partition_strategy="hive")
+
+
+def cli(args) -> int:
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    s = synth(args.output, start=args.start, days=args.days, users=args.users, items=args.items,
+              impressions=args.impressions, max_seq_len=args.max_seq_len, fmt=args.format, kinds=kinds,
+              bad_rows=args.bad_rows, seed=args.seed)
+    total = {k: sum(v.values()) for k, v in s["rows"].items()}
+    print(f"synth: wrote {args.output} ({args.format}): " + ", ".join(f"{k} {n:,} rows" for k, n in total.items())
+          + f"; {s['users']:,} users, bot user_id {s['bot_user_id']}", file=sys.stderr)
+    return 0

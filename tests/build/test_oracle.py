@@ -1,0 +1,245 @@
+"""The oracle itself, on hand-written rows whose answer is known by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import polars as pl
+import pytest
+
+from tests.support import edgegen as E
+from tests.support import oracle as O
+
+T = E.ms(E.day(2), 10)  # 2026-03-02 10:00 UTC
+AS_OF = "2026-03-06"
+
+
+def imp(uid, user, rid, rts, item, pos=0, click=0, like=0, ats=None):
+    return {
+        "user_id": user, "request_id": rid, "request_ts": rts,
+        "action_ts": ats if ats is not None else rts, "item_id": item, "position": pos,
+        "click": click, "like": like, "category": item % 7, "author": 1000 + item, "device": "ios",
+        "hour": 10, "age_bucket": 1, "country": "DE", "score": 0.5, "row_uid": uid,
+        "date": E.date_of(rts),
+    }
+
+
+def act(user, item, ts, bits, cat=None):
+    return {"uid": user, "iid": item, "ts": ts, "bits": bits, "cat": item % 7 if cat is None else cat,
+            "auth": 1000 + item, "date": E.date_of(ts)}
+
+
+def run(tmp_path, rows, actions=None, L=3, rejected=(), max_seq_len=None, cfg=None, rejected_actions=()):
+    path = E._write(rows, E._imp_fields(False, False), tmp_path / "lean")
+    apath = E._write(actions, E.ACT_FIELDS, tmp_path / "actions") if actions else None
+    cfg = cfg or E.lean_config(actions=bool(actions), max_seq_len=L, history_length=2 * L)
+    out = O.expected_pointwise(path, cfg, AS_OF, rejected, actions_path=apath, max_seq_len=max_seq_len,
+                               rejected_actions=rejected_actions)
+    return {r["row_uid"]: r for r in out.iter_rows(named=True)}
+
+
+def test_ties_and_same_time_exclusion(tmp_path):
+    rows = [
+        # request a at T: actions at T+5s on positions 1 and 0 (written out of order)
+        imp(1, 7, "a", T, 11, pos=1, click=1, ats=T + 5000),
+        imp(2, 7, "a", T, 10, pos=0, like=1, ats=T + 5000),
+        # requests b and c at T+1s: actions at T+5s too; same request time, ordered by request id
+        imp(3, 7, "c", T + 1000, 13, click=1, like=1, ats=T + 5000),
+        imp(4, 7, "b", T + 1000, 12, click=1, ats=T + 5000),
+        # d at exactly T+5s sees none of them; its own dwell-0 click is not visible to e either
+        imp(5, 7, "d", T + 5000, 14, click=1, ats=T + 5000),
+        imp(6, 7, "e", T + 5000, 15),
+        imp(7, 7, "f", T + 5001, 16),
+    ]
+    got = run(tmp_path, rows, L=10)
+    for u in (1, 2, 3, 4, 5, 6):
+        assert got[u]["seq_item"] == [], u
+    assert got[7]["seq_item"] == [10, 11, 12, 13, 14]
+    assert got[7]["seq_action"] == [2, 1, 1, 3, 1]
+    assert got[7]["seq_ts"] == [T + 5000] * 5
+    assert got[7]["seq_category"] == [10 % 7, 11 % 7, 12 % 7, 13 % 7, 14 % 7]
+    assert got[7]["seq_author"] == [1010, 1011, 1012, 1013, 1014]
+
+
+def test_truncation_keeps_newest(tmp_path):
+    rows = [imp(k, 1, f"r{k}", T + k * 1000, 20 + k, click=1, ats=T + k * 1000 + 1) for k in range(6)]
+    got = run(tmp_path, rows, L=3)
+    assert got[5]["seq_item"] == [22, 23, 24]  # 5 events before r5: the newest 3
+    assert got[3]["seq_item"] == [20, 21, 22]
+    assert got[1]["seq_item"] == [20]
+    assert run(tmp_path / "b", rows, L=3, max_seq_len=2)[5]["seq_item"] == [23, 24]
+
+
+def test_empty_history_is_empty_list_not_null(tmp_path):
+    got = run(tmp_path, [imp(1, 1, "a", T, 5), imp(2, 2, "b", T, 6, click=1)])
+    for u in (1, 2):
+        for col in ("seq_item", "seq_ts", "seq_action", "seq_category", "seq_author"):
+            assert got[u][col] == [], (u, col)
+
+
+def test_late_action_visible_from_its_time_on(tmp_path):
+    late = E.ms(E.day(4), 0, 0, 1)
+    rows = [
+        imp(1, 1, "a", E.ms(E.day(2), 23, 59), 30, like=1, ats=late),
+        imp(2, 1, "b", E.ms(E.day(3), 12), 31),
+        imp(3, 1, "c", late, 32),
+        imp(4, 1, "d", late + 1, 33),
+    ]
+    got = run(tmp_path, rows)
+    assert [got[u]["seq_item"] for u in (1, 2, 3, 4)] == [[], [], [], [30]]
+    assert got[4]["seq_ts"] == [late] and got[4]["seq_action"] == [2]
+
+
+def test_action_log_merge_nulls_first(tmp_path):
+    rows = [
+        imp(1, 1, "a", T, 40, click=1, ats=T + 5000),
+        imp(2, 1, "b", T + 9000, 41),
+        imp(3, 2, "x", T + 9000, 42),  # another user: sees only their own log event
+    ]
+    actions = [
+        act(1, 50, T + 5000, 4, cat=2),  # same time as the impression action: first (null request time)
+        act(1, 50, T + 5000, 4, cat=1),  # equal up to the features: ordered by features
+        act(1, 49, T + 5000, 4),  # ordered by item before them
+        act(1, 48, T - 10**8, 1),  # long before
+        act(2, 60, T, 2),
+        act(1, 51, T + 9000, 1),  # at b's request time: not visible to b
+    ]
+    got = run(tmp_path, rows, actions=actions, L=10)
+    assert got[2]["seq_item"] == [48, 49, 50, 50, 40]
+    assert got[2]["seq_category"] == [48 % 7, 49 % 7, 1, 2, 40 % 7]
+    assert got[2]["seq_action"] == [1, 4, 4, 4, 1]
+    assert got[1]["seq_item"] == [48]
+    assert got[3]["seq_item"] == [60]
+    # a quarantined log event contributes nothing
+    bad = [act(1, 49, T + 5000, 4)]
+    got = run(tmp_path / "b", rows, actions=actions, L=10, rejected_actions=bad)
+    assert got[2]["seq_item"] == [48, 50, 50, 40]
+
+
+def test_rejected_duplicates_and_after_as_of(tmp_path):
+    as_of_ms = O.as_of_units(AS_OF, "ms")
+    dup = imp(1, 1, "a", T, 70, click=1, ats=T + 1)
+    rows = [
+        dup, dict(dup), dict(dup),  # exact copies: one event, not three
+        imp(2, 1, "b", T, 71, pos=1, click=1, ats=T + 1),  # rejected: no event
+        imp(3, 1, "z", as_of_ms, 72, click=1),  # at as-of: not built, no event
+        imp(4, 1, "y", as_of_ms - 2, 73, click=1, ats=as_of_ms - 2),  # built; its action is before as-of
+        imp(5, 1, "c", as_of_ms - 1, 74),
+    ]
+    got = run(tmp_path, rows, L=10, rejected={1: "duplicate_row", 2: "position_conflict"})
+    assert set(got) == {1, 4, 5}
+    assert got[5]["seq_item"] == [70, 73]
+    assert got[4]["seq_item"] == [70]
+    # a plain set of uids drops every copy
+    assert set(run(tmp_path / "b", rows, L=10, rejected={1, 2})) == {4, 5}
+
+
+def test_action_labels_and_default_action_time(tmp_path):
+    rows = [imp(1, 1, "a", T, 80, click=0, like=1, ats=T + 10**6), imp(2, 1, "b", T + 1, 81)]
+    cfg = E.lean_config(max_seq_len=3, history_length=6)
+    del cfg["columns"]["action_time"]  # the action is then at its request time T
+    cfg["columns"]["action_labels"] = ["like"]
+    got = run(tmp_path, rows, cfg=cfg)
+    assert got[2]["seq_ts"] == [T] and got[2]["seq_action"] == [1]  # bit 0 = like, the only action label
+
+
+def test_columns_kept_in_input_order(tmp_path):
+    rows = [imp(1, 1, "a", T, 5)]
+    path = E._write(rows, E._imp_fields(False, False), tmp_path / "lean")
+    out = O.expected_pointwise(path, E.lean_config(), AS_OF, set())
+    inputs = O.read_parquet_dir(path).columns
+    assert out.columns == inputs + ["seq_ts", "seq_item", "seq_category", "seq_author", "seq_action"]
+    assert out.schema["date"] == pl.Date and out.schema["seq_category"] == pl.List(pl.Int32)
+
+
+def test_frame_diff_finds_differences():
+    a = pl.DataFrame({"row_uid": [2, 1], "x": [float("nan"), 1.0], "l": [[1], []]})
+    assert O.frame_diff(a, a.sort("row_uid")) == []
+    b = a.with_columns(pl.Series("l", [[1], [0]]))
+    assert any("l at row_uid=1" in d for d in O.frame_diff(b, a))
+    assert O.frame_diff(a.drop("x"), a)
+    assert O.frame_diff(a.head(1), a)
+
+
+# --------------------------------------------------------------------------
+# the generated edge log: ground truth and cross-checks
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("edge")
+    return {
+        "lean": E.make_lean(d / "lean", actions=True),
+        "nan": E.make_lean(d / "nan", float_labels=True),
+        "fat": E.make_fat(d / "fat"),
+    }
+
+
+def test_every_reason_is_planted(logs):
+    planted = set(logs["lean"].quarantine_counts()) | set(logs["nan"].quarantine_counts()) | \
+        set(logs["fat"].quarantine_counts())
+    assert planted == set(E.REASONS)
+    assert {r for _, r in logs["lean"].rejected_actions} == {"null_user", "null_item", "bad_time"}
+
+
+def test_ground_truth_counts(logs):
+    for name, log in logs.items():
+        df = O.read_parquet_dir(log.impressions)
+        assert df.height == log.rows_read, name
+        assert log.rows_read == len(log.expected_uids) + len(log.quarantined) + len(log.after_as_of_uids)
+        assert not (log.expected_uids & log.after_as_of_uids)
+        exp = (O.expected_fat(log.impressions, log.config, log.as_of, log.rejected) if log.fat else
+               O.expected_pointwise(log.impressions, log.config, log.as_of, log.rejected))
+        assert sorted(exp["row_uid"].to_list()) == sorted(log.expected_uids), name
+        # the heavy user's requests exceed the cost cap; some rows are left for later
+        heavy = exp.filter(pl.col("user_id") == log.heavy_user)
+        assert heavy.height > log.config["max_sample_cost"]
+        assert log.after_as_of_uids
+
+
+def test_bad_rows_contribute_no_actions(logs):
+    log = logs["lean"]
+    out = O.expected_pointwise(log.impressions, log.config, log.as_of, log.rejected)
+    all_rows = O.read_parquet_dir(log.impressions)
+    bad_items = set(all_rows.filter(pl.col("row_uid").is_in(list(log.dropped_uids)))["item_id"].drop_nulls())
+    # the bad rows' items are used by no accepted row: they must never appear in a sequence
+    only_bad = bad_items - set(out["item_id"])
+    seen = {i for s in out["seq_item"] for i in s}
+    assert len(only_bad) >= 10 and not only_bad & seen
+
+
+def test_fat_snapshots_match_the_lean_oracle(logs):
+    """Two independent computations of the point-in-time history agree (edgegen's legacy
+    snapshots vs the oracle's stream), except for the deliberately odd snapshots."""
+    lean = E.make_lean(logs["lean"].root / "plain")
+    lo = O.expected_pointwise(lean.impressions, lean.config, lean.as_of, lean.rejected)
+    fat = logs["fat"]
+    fo = O.expected_fat(fat.impressions, fat.config, fat.as_of, fat.rejected)
+    j = fo.join(lo.select("row_uid", "seq_item", "seq_ts", "seq_category"), on="row_uid", how="inner")
+    assert j.height == fo.height
+    odd = {"f-04", "f-06", "f-08", "f-10", "e-3"}
+    differ = j.filter(
+        (pl.col("hist_item_id") != pl.col("seq_item")).fill_null(True)
+        | (pl.col("hist_ts") != pl.col("seq_ts")).fill_null(True)
+        | (pl.col("hist_category") != pl.col("seq_category")).fill_null(True)
+    )
+    assert set(differ["request_id"]) == odd | set(j.filter(pl.col("user_id") == 301)
+                                                  .filter(pl.col("seq_item").list.len() > 3)["request_id"])
+    assert fo.filter(pl.col("hist_item_id").is_null())["request_id"].to_list() == ["f-06"]
+
+
+def test_reconcile(logs):
+    log = logs["lean"]
+    good = O.expected_report(log)
+    good["actions"] = {"quarantined": {"null_user": 1, "null_item": 1, "bad_time": 1}}
+    assert O.reconcile(good, log) == []
+    bad = copy.deepcopy(good)
+    bad["quarantined"]["duplicate_row"] += 1
+    bad["rows_read"] += 1
+    assert O.reconcile(bad, log)
+    assert O.reconcile({"rows_read": 1}, log)
+    bad = copy.deepcopy(good)
+    bad["actions"]["quarantined"] = {}
+    assert O.reconcile(bad, log)
+    flat = copy.deepcopy(bad)
+    flat["actions_quarantined"] = good["actions"]["quarantined"]
+    assert O.reconcile(flat, log) == []

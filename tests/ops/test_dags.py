@@ -1,0 +1,258 @@
+"""The Airflow DAGs: they load, their graph is the README's, the processed day is right.
+
+The end-to-end test runs the daily DAG with ``dag.test()`` (SparkSubmitOperator
+tasks against local Spark) twice on one small generated day.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.uwchain import FAST_CONF, ROOT, SUBMIT_JVM, env_with_spark_bin, shard_digest, synth, table_digest
+
+DAG_FOLDER = ROOT / "airflow"
+UTC = dt.timezone.utc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def airflow_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("airflow_home")
+    old = {k: os.environ.get(k) for k in ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES")}
+    os.environ["AIRFLOW_HOME"] = str(home)
+    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def common():
+    sys.path.insert(0, str(DAG_FOLDER))
+    return importlib.import_module("userwise_dag_common")
+
+
+def dagbag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAG_FOLDER))
+
+
+def edges(dag) -> set[tuple[str, str]]:
+    return {(t.task_id, d) for t in dag.tasks for d in t.downstream_task_ids}
+
+
+def test_dagbag_loads_every_dag_without_errors():
+    bag = dagbag()
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == {"userwise_daily", "userwise_pretrain"}
+
+
+def test_daily_graph_is_the_documented_chain():
+    dag = dagbag().dags["userwise_daily"]
+    chain = ["settings", "wait_for_input", "requests", "history", "window", "preshard", "publish"]
+    assert edges(dag) == set(zip(chain, chain[1:]))
+    by_id = {t.task_id: t for t in dag.tasks}
+    assert [t for t, op in by_id.items() if op.depends_on_past] == ["history"]
+    assert dag.max_active_runs == 1 and dag.catchup is True
+    for tid in ("requests", "history", "window", "preshard", "publish"):
+        op = by_id[tid]
+        assert type(op).__name__ == "SparkSubmitOperator"
+        assert op.application == str(ROOT / "jobs" / f"{tid}.py")
+        assert op.retries == 2 and op.retry_exponential_backoff
+    sensor = by_id["wait_for_input"]
+    assert sensor.mode == "reschedule" and sensor.timeout == 12 * 3600
+    assert dag.start_date == dt.datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_pretrain_graph():
+    dag = dagbag().dags["userwise_pretrain"]
+    chain = ["settings", "wait_for_daily", "pretrain", "preshard", "publish"]
+    assert edges(dag) == set(zip(chain, chain[1:]))
+    assert dag.max_active_runs == 1
+
+
+def test_documented_graph_matches_the_readme():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert "settings -> wait_for_input -> requests -> history -> window -> preshard -> publish" in text
+    assert "settings -> wait_for_daily -> pretrain -> preshard -> publish" in text
+
+
+@pytest.mark.parametrize("end, override, want", [
+    (dt.datetime(2026, 1, 2, tzinfo=UTC), None, dt.date(2026, 1, 1)),
+    (dt.datetime(2026, 1, 2, 13, 45, tzinfo=UTC), None, dt.date(2026, 1, 1)),  # manual run mid-day
+    (dt.datetime(2026, 1, 2, 1, 0, tzinfo=dt.timezone(dt.timedelta(hours=8))), None, dt.date(2025, 12, 31)),
+    (dt.datetime(2026, 1, 2, tzinfo=UTC), "2025-06-30", dt.date(2025, 6, 30)),
+])
+def test_processed_day(end, override, want):
+    assert common().processed_day(end, override) == want
+
+
+def test_processed_day_rejects_naive_datetimes():
+    with pytest.raises(ValueError, match="time zone"):
+        common().processed_day(dt.datetime(2026, 1, 2))
+
+
+def _scheduled_intervals(timetable, start, n):
+    from airflow.timetables.base import TimeRestriction
+
+    out, last = [], None
+    for _ in range(n):
+        info = timetable.next_dagrun_info(last_automated_data_interval=last,
+                                          restriction=TimeRestriction(earliest=start, latest=None, catchup=True))
+        out.append(info)
+        last = info.data_interval
+    return out
+
+
+@pytest.mark.parametrize("kind", ["interval", "trigger"])
+def test_catchup_runs_process_consecutive_days_from_start(kind):
+    """Airflow 3 semantics: with either cron timetable, catch-up runs process start, start+1, ...
+
+    With CronTriggerTimetable (Airflow 3's default for a cron string) the
+    logical date is the run time, one day after the processed day.
+    """
+    import pendulum
+    from airflow.timetables.interval import CronDataIntervalTimetable
+    from airflow.timetables.trigger import CronTriggerTimetable
+
+    start = pendulum.datetime(2026, 1, 1, tz="UTC")
+    tt = (CronDataIntervalTimetable("0 0 * * *", timezone="UTC") if kind == "interval"
+          else CronTriggerTimetable("0 0 * * *", timezone="UTC"))
+    infos = _scheduled_intervals(tt, start if kind == "interval" else start.add(days=1), 3)
+    days = [common().processed_day(i.data_interval.end) for i in infos]
+    assert days == [dt.date(2026, 1, 1), dt.date(2026, 1, 2), dt.date(2026, 1, 3)]
+    if kind == "trigger":
+        assert [i.logical_date.date() for i in infos] == [dt.date(2026, 1, 2), dt.date(2026, 1, 3),
+                                                          dt.date(2026, 1, 4)]
+
+
+def test_dag_timetable_first_run_processes_start_date():
+    from airflow.serialization.encoders import coerce_to_core_timetable
+    from airflow.timetables.base import TimeRestriction
+
+    dag = dagbag().dags["userwise_daily"]
+    tt = coerce_to_core_timetable(dag.timetable)
+    info = tt.next_dagrun_info(last_automated_data_interval=None,
+                               restriction=TimeRestriction(earliest=dag.start_date, latest=None, catchup=True))
+    assert common().processed_day(info.data_interval.end) == dt.date(2026, 1, 1)
+
+
+def test_manual_run_processes_the_day_before_its_logical_date():
+    """Airflow 3 infers a manual run's interval as the one ending at the logical date.
+
+    So `airflow dags test userwise_daily 2026-01-02` (or dag.test(logical_date=2026-01-02))
+    processes 2026-01-01, while the scheduled run for 2026-01-01 has logical date
+    2026-01-01 and the interval [01-01, 01-02): both process 2026-01-01.
+    """
+    import pendulum
+    from airflow.timetables.interval import CronDataIntervalTimetable
+
+    tt = CronDataIntervalTimetable("0 0 * * *", timezone="UTC")
+    iv = tt.infer_manual_data_interval(run_after=pendulum.datetime(2026, 1, 2, tz="UTC"))
+    assert common().processed_day(iv.end) == dt.date(2026, 1, 1)
+
+
+def test_settings_precedence_run_conf_over_variable_over_file(tmp_path):
+    c = common()
+    f = c.load_file()
+    f = {**f, "output": "/file/out", "nodes": 1, "spark_conf": {"spark.executor.memory": "2g"}}
+    got = c.resolve(f, {"output": "/var/out", "nodes": 4, "spark_conf": {"spark.executor.memory": "8g"}},
+                    {"nodes": "2", "unknown": 1}, dt.date(2026, 1, 3))
+    assert got["output"] == "/var/out" and got["nodes"] == 2
+    assert got["spark_conf"] == {"spark.executor.memory": "8g"}
+    assert got["date"] == "2026-01-03" and got["window_end"] == "2026-01-04"
+    assert got["incremental_staging"] == "/var/out".replace("/var/out", os.path.abspath(got["shards"])) + \
+        "/_staging/incremental/2026-01-04"
+    assert got["input_partition"] == f"{got['input']}/date=2026-01-03"
+    assert "unknown" not in got
+
+
+def test_config_file_rejects_unknown_keys(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("nodez: 3\n")
+    with pytest.raises(ValueError, match="nodez"):
+        common().load_file(p)
+
+
+def test_spark_submit_command_ships_the_zip_and_jars():
+    """What the operator would run, rendered through the hook with the connection from env."""
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+    os.environ["AIRFLOW_CONN_SPARK_DEFAULT"] = '{"conn_type": "spark", "host": "local[2]"}'
+    op = {t.task_id: t for t in dagbag().dags["userwise_daily"].tasks}["history"]
+    hook = SparkSubmitHook(conn_id=op._conn_id, conf={"spark.executor.memory": "2g"},
+                           py_files="dist/userwise-0.1.0-pyfiles.zip", jars="a.jar,b.jar", name="userwise-history",
+                           application_args=["--date", "2026-01-01"])
+    cmd = hook._build_spark_submit_command(op.application)
+    assert cmd[:3] == ["spark-submit", "--master", "local[2]"]
+    assert cmd[cmd.index("--py-files") + 1] == "dist/userwise-0.1.0-pyfiles.zip"
+    assert cmd[cmd.index("--jars") + 1] == "a.jar,b.jar"
+    assert cmd[-3:] == [str(ROOT / "jobs" / "history.py"), "--date", "2026-01-01"]
+    assert "{{" in op.py_files and "settings" in op.py_files  # resolved per run from the settings task
+
+
+_FATAL = ("Error code is", "Traceback", "Error:", "Fatal Python error", "terminate called", "panicked",
+          "hs_err", "Killed", "Aborted")
+
+
+def _why(r: subprocess.CompletedProcess, log: Path) -> str:
+    """A failed dag.test(): the whole output to ``log``; the lines that say why (a task's
+    exception, a job's fatal error: its output is in the task log, amid Airflow's lines), then
+    the end."""
+    out = r.stdout + r.stderr
+    log.write_text(out)
+    lines = out.splitlines()
+    hits = [i for i, line in enumerate(lines) if any(k in line for k in _FATAL)]
+    keep = sorted({j for i in hits[-12:] for j in range(max(0, i - 2), min(len(lines), i + 3))})
+    said = "\n".join(lines[j][:600] for j in keep)
+    return f"full output in {log}\n--- lines that say why:\n{said}\n--- end:\n{out[-2500:]}"
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
+    """dag.test() of one small day: every task spark-submits its job; a second run is a no-op on data."""
+    from userwise.pipelines.runtime import ship
+
+    data = synth(tmp_path / "synth", days=1)
+    zip_path = ship.build(tmp_path / "dist")
+    cfg = tmp_path / "userwise.yaml"
+    cfg.write_text(
+        f"config: {data}/config.yaml\ninput: {data}/lean\noutput: {tmp_path}/build\nshards: {tmp_path}/shards\n"
+        f"py_files: {zip_path}\nnodes: 2\nsensor_poke_seconds: 1\nsensor_timeout_hours: 0.01\nretries: 0\n"
+        "spark_conf: {spark.driver.memory: 1g, spark.ui.enabled: 'false', "
+        + ", ".join(f"{k}: '{v}'" for k, v in {**FAST_CONF, **SUBMIT_JVM}.items()) + "}\n")
+    env = env_with_spark_bin()
+    env.update(USERWISE_AIRFLOW_CONFIG=str(cfg), AIRFLOW_HOME=str(airflow_home),
+               AIRFLOW__CORE__DAGS_FOLDER=str(DAG_FOLDER), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type": "spark", "host": "local[2]"}')
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    script = (
+        "import datetime as dt, sys\n"
+        "from airflow.dag_processing.dagbag import DagBag\n"
+        f"dag = DagBag(dag_folder={str(DAG_FOLDER)!r}).dags['userwise_daily']\n"
+        "run = dag.test(logical_date=dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc), run_conf=%s)\n"
+        "print('STATE', run.state)\n"
+        "sys.exit(0 if str(run.state).endswith('success') else 1)\n")
+    first = subprocess.run([sys.executable, "-c", script % "None"], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, _why(first, tmp_path / "first.log")
+    rec = tmp_path / "build" / "_userwise" / "published" / "incremental" / "2026-01-01.json"
+    assert rec.exists()
+    tables, shards = table_digest(tmp_path / "build"), shard_digest(tmp_path / "shards")
+    assert set(shards) == {"incremental/2026-01-02/node=0/shard-00000.parquet",
+                           "incremental/2026-01-02/node=1/shard-00001.parquet"}
+    # second run of the same day (explicit override, a fresh run id): same tables, same shard bytes
+    second = subprocess.run([sys.executable, "-c", (script % "{'date': '2026-01-01'}").replace(
+        "dt.datetime(2026, 1, 2,", "dt.datetime(2026, 1, 9,")], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, _why(second, tmp_path / "second.log")
+    assert table_digest(tmp_path / "build") == tables
+    assert shard_digest(tmp_path / "shards") == shards
