@@ -3,7 +3,7 @@
 ``userwise preshard --samples D --output S --nodes K --ranks-per-node R``
 reads the Delta table ``D/samples`` at its current version and writes
 ``S/node=<k>/shard-<NNNNN>.parquet`` (+ ``.gds`` with ``--layout gds``) and,
-last, ``S/manifest.json`` (docs/SHARDS.md is the contract).
+last, ``S/manifest.json`` (docs/shard-format.md is the contract).
 
 How it stays a cluster job:
 - the assignment (``balance`` rules) is computed in Spark: a global order by
@@ -64,12 +64,10 @@ def parse_dictionary(spec: str, schema: pa.Schema):
     """``--dictionary``: ``all`` (default) dictionary-encodes every column, ``scalars`` leaves
     the list columns plain. pyarrow's ``use_dictionary`` for it: True, or the scalar columns.
 
-    Measured on the loader benchmark's shards (docs/loader-speed-history.md, 2026-12-01,
-    session 17), zstd either way: with dictionaries, long samples (200 events) are as small
-    (61.9 against 62.8 MB) and decode with 32% less CPU (pyarrow, one thread: 209 against
-    306 ms), because zstd then inflates small indices instead of 8-byte values; short samples
-    (9 events) decode with 9% less CPU and are 14% larger. A column whose dictionary outgrows
-    Parquet's page limit falls back to plain pages by itself."""
+    With zstd, dictionary-encoded lists are about as small and decode with much less CPU,
+    because zstd then inflates small indices instead of 8-byte values (figures in
+    docs/shards.md, "Parquet"). A column whose dictionary outgrows Parquet's page limit falls
+    back to plain pages by itself."""
     if spec == "all":
         return True
     if spec == "scalars":

@@ -220,7 +220,7 @@ def _dictionary_columns(path: str) -> tuple[set, set]:
 
 def test_parquet_properties(built, tmp_path):
     """Row groups, codec, statistics and the format in the footer; every column
-    dictionary-encoded by default (lists too: docs/loader-speed-history.md, session 17),
+    dictionary-encoded by default (lists too: docs/shards.md, "Parquet"),
     only the scalar ones with --dictionary scalars, which the manifest records."""
     d, table, out, m = built
     s = m["shards"][0]

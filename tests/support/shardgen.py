@@ -1,4 +1,4 @@
-"""Synthetic shard sets written exactly per docs/SHARDS.md (test fixtures, benchmarks).
+"""Synthetic shard sets written exactly per docs/shard-format.md (test fixtures, benchmarks).
 
 Samples obey the pointer semantics: the stored sequence is sorted by time;
 request r sees seq[begin:end] with end = events strictly before its time and
