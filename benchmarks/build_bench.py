@@ -29,8 +29,8 @@ timed; with the UI on (default) the stage metrics of each step come from the
 UI's REST API: jobs, stages, tasks, executor run time, and the slowest stages
 with their call sites. A small warm-up build (not timed) runs first.
 
-Output: a table on stdout, ``--json`` (default docs/img/build_bench.json) and
-``--plot`` (default docs/img/build_bench.png). Keep sizes small on a shared
+Output: a table on stdout, ``--json`` (default benchmarks/results/build_bench.json) and
+``--plot`` (default benchmarks/results/build_bench.png). Keep sizes small on a shared
 machine; the ratios are what matters.
 """
 
@@ -49,6 +49,7 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")  # the latest results the docs show
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -368,8 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Spark conf for the session (experiments, e.g. "
                         "spark.databricks.delta.snapshotPartitions=2)")
-    p.add_argument("--json", default=os.path.join(REPO, "docs", "img", "build_bench.json"))
-    p.add_argument("--plot", default=os.path.join(REPO, "docs", "img", "build_bench.png"))
+    p.add_argument("--json", default=os.path.join(RESULTS, "build_bench.json"))
+    p.add_argument("--plot", default=os.path.join(RESULTS, "build_bench.png"))
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.days < 2:

@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/device_check.sh [OUTDIR]
 #
-# 1. tests on CUDA: tests/test_gpu.py (pinned pool, side-stream prefetch,
+# 1. tests on CUDA: tests/loader/test_gpu.py (pinned pool, side-stream prefetch,
 #    record_stream, resume, kvikio GDS reads; skipped elsewhere), plus the GDS,
 #    segmented-copy, diagnose and loader tests (the loader tests on a GPU host too);
 # 2. benchmarks/gpu_check.py: pinned vs pageable H2D, prefetch overlap, the GDS path;
@@ -61,7 +61,8 @@ for m in (\"numba\", \"kvikio\", \"psutil\"):
 import userwise.pipelines.loader as L; print(\"loader from\", L.__file__)
 "'
 step tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
-    tests/test_gpu.py tests/test_gds.py tests/test_segcopy.py tests/test_loader_tools.py tests/test_loader.py
+    tests/loader/test_gpu.py tests/shards/test_gds.py tests/loader/test_segcopy.py tests/benchmarks/test_loader_tools.py \
+    tests/loader/test_loader.py
 step gpu_check 110 python3 benchmarks/gpu_check.py --cap-s 15 --out "$OUTDIR"
 step loader_bench_cuda 130 python3 benchmarks/loader_bench.py --device cuda --profiles ${BENCH_PROFILES:-long short} --repeats 5 \
     --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cuda.json"

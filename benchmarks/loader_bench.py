@@ -1,10 +1,10 @@
 """Loader speed against two baselines run side by side (not part of the tests).
 
     python benchmarks/loader_bench.py [--samples 40000] [--batch-size 128 | --token-budget 32768] [--workers 0 1 2]
-                                      [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot docs/img/loader_throughput.png]
+                                      [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot out.png]
                                       [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
                                       [--batch-order stored|shuffled]
-    python benchmarks/loader_bench.py --merge run1.json run2.json --json mean.json [--plot ...] [--before ...]
+    python benchmarks/loader_bench.py --merge run1.json run2.json [--json mean.json --plot mean.png] [--before ...]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
    else (``pq.ParquetFile.read_row_group`` over every row group, every column
@@ -32,7 +32,9 @@ seconds per repeat. ``cpu_efficiency`` (ceiling CPU seconds / loader CPU
 seconds, workers included) is a load-independent companion figure. Keep sizes moderate on a shared machine (the defaults are
 about 63 and 12 MB of shards); the ratios are what matters. ``--merge`` runs
 nothing: it averages earlier runs' JSON (each run's medians, per profile and
-worker count; the pairs of all runs are kept) into one, for ``--json``/``--plot``.
+worker count; the pairs of all runs are kept) into one, for ``--json``/``--plot``;
+with neither, into the published result, ``benchmarks/results/loader_bench.json`` and
+``.png``. A single run prints its JSON unless ``--json`` is given.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
         ax.legend(fontsize=7, loc="upper left")
     res = series[0][1]
     how = f"median of {res['repeats']} paired runs"
-    if res.get("runs_averaged"):  # several bench runs merged (docs/img/loader_bench.json)
+    if res.get("runs_averaged"):  # several bench runs merged (--merge)
         how = f"mean of {res['runs_averaged']} runs, each the {how}"
     size = f"token budget {res['token_budget']}" if res.get("token_budget") else f"batch {res['batch_size']}"
     fig.suptitle(f"{size}, {how}, {res['cpus']} shared cores (dashed: targets)", fontsize=9)
@@ -332,10 +334,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-petastorm", action="store_true",
                    help="skip the petastorm baseline (it needs .venv-petastorm, made by `make setup`)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="run nothing: average these runs' JSON into --json / --plot")
+                   help="run nothing: average these runs' JSON into --json / --plot (default: benchmarks/results)")
     a = p.parse_args(argv)
     if a.merge:
         out = merge([json.load(open(f)) for f in a.merge])
+        if not a.json and not a.plot:  # the published result (benchmarks/README.md)
+            a.json, a.plot = (os.path.join(REPO, "benchmarks", "results", f"loader_bench.{x}") for x in ("json", "png"))
         return write(out, a)
     if a.buffer_row_groups != "auto":
         a.buffer_row_groups = int(a.buffer_row_groups)

@@ -6,7 +6,7 @@ needs pyarrow 14 and numpy 1.26); ``loader_bench.py`` starts it next to each loa
     .venv-petastorm/bin/python benchmarks/petastorm_baseline.py NODE_DIR [--workers 1] [--cap-s 5]
 
 petastorm's ``make_batch_reader`` collates each list column of a batch into a 2-D array,
-so variable-length lists must be padded: as in ``tests/petastorm_read.py`` (the tests'
+so variable-length lists must be padded: as in ``tests/support/petastorm_read.py`` (the tests'
 second reader of our shards), every list column is padded to its longest list in the set
 and gets ``<col>__len``, here with vectorised numpy per column and batch (the tests' recipe
 pads row by row). That is what a petastorm user does with jagged samples, and the cost
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
 
 import numpy as np  # noqa: E402
 from petastorm import make_batch_reader  # noqa: E402

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-records", type=int, default=1000, help="list stages with at least this many records")
     p.add_argument("--coalesce", action="store_true", help="keep AQE partition coalescing on")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--json", default=os.path.join(REPO, "docs", "img", "skew_report.json"))
+    p.add_argument("--json", default=os.path.join(HERE, "results", "skew_report.json"))
     p.add_argument("--plan", default=None, help="also write the whole physical plan to this file")
     args = p.parse_args(argv)
 
