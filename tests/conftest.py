@@ -15,6 +15,14 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that uses the Spark session carries the ``spark`` marker, so that
+    ``-m "not spark"`` runs exactly the tests without a JVM."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
+
+
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory):
     from userwise.pipelines.runtime.spark import get_spark
