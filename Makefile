@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine (Python 3.11 + Java 17):
 #   make demo   - synthetic log -> build -> expand on local Spark with Delta
-#   make test   - the test suite
+#   make test   - ruff, then the test suite
 # Both create .venv from the lock file if missing, fetch Delta's jars and the
 # petastorm side environment. Nothing needs installing by hand.
 
@@ -41,8 +41,10 @@ jars: $(STAMP)
 # chain of daily runs or a standalone cluster are built once). In one process the Spark
 # tests left a quarter of two cores idle (JVM start-ups, small jobs): 18 minutes, against
 # 14 with two workers. TEST_WORKERS=0 runs everything in one process.
+# ruff (lint and import order, pyproject's [tool.ruff]) runs first; its failure fails the target.
 TEST_WORKERS ?= 2
 test: setup
+	$(BIN)/ruff check .
 	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no test" >&2; exit 1; fi; exit $$rc
 
