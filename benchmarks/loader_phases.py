@@ -49,6 +49,7 @@ def ceiling_cpu(root: str) -> float:
 
 def loader_epoch_cpu(ds, epoch: int) -> dict:
     from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader.assemble import Prepared
 
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
     acc = dict.fromkeys(PHASES, 0.0)
@@ -64,7 +65,7 @@ def loader_epoch_cpu(ds, epoch: int) -> dict:
         t2 = pt()
         decode.check_groups(cols, "bench")
         t3 = pt()
-        prep = decode.Prepared(cols)
+        prep = Prepared(cols)
         t4 = pt()
         src = prep.permuted(buf.perm)
         t5 = pt()
@@ -86,7 +87,7 @@ def gather_cpu(ds, epoch: int) -> float:
     import numpy as np
 
     from userwise.pipelines.loader import decode
-    from userwise.pipelines.loader.batch import _np_ranges
+    from userwise.pipelines.loader.batch import np_ranges
 
     total = 0.0
     for buf in ds.plan(epoch).buffers:
@@ -99,7 +100,7 @@ def gather_cpu(ds, epoch: int) -> float:
             e = perm
             if c.offsets is not None:
                 off = np.asarray(c.offsets, np.int64)
-                e = _np_ranges(off[perm], off[perm + 1] - off[perm])
+                e = np_ranges(off[perm], off[perm + 1] - off[perm])
             if c.str_offsets is not None:
                 ln = np.diff(np.asarray(c.str_offsets, np.int64))
                 v = np.asarray(c.values)

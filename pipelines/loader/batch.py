@@ -192,7 +192,7 @@ class JaggedBatch:
                 b = base + self["req_seq_begin"].long()
                 e = base + self["req_seq_end"].long()
                 ln = e - b
-                v = v[_ranges(b, ln)]
+                v = v[ranges(b, ln)]
             elif per == "sample":
                 off = self[f"{group}.offsets" if group in ("seq", "req", "imp") else f"{k}.offsets"].long()
                 ln = off[1:] - off[:-1]
@@ -207,13 +207,13 @@ OVR_PREFIX = "ovr_"
 _STRINGY = ("string", "large_string", "binary", "large_binary")
 
 
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenated aranges [s, s+l) as one index tensor (no Python loop).
 
     On CPU this runs in numpy: torch's intra-op threads make small ops tens of
     times slower on a busy host, and a loader must not compete with the trainer."""
     if starts.device.type == "cpu":
-        return torch.from_numpy(_np_ranges(starts.numpy().astype(np.int64), lengths.numpy().astype(np.int64)))
+        return torch.from_numpy(np_ranges(starts.numpy().astype(np.int64), lengths.numpy().astype(np.int64)))
     total = int(lengths.sum().item()) if lengths.numel() else 0
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=starts.device)
@@ -222,7 +222,7 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return rep + torch.arange(total, device=starts.device)
 
 
-def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated aranges [s, s+l) (vectorised: no loop per range)."""
     total = int(lengths.sum())
     if total == 0:
@@ -232,14 +232,14 @@ def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-    """``repeat_interleave`` (numpy on CPU, see ``_ranges``)."""
+    """``repeat_interleave`` (numpy on CPU, see ``ranges``)."""
     if values.device.type == "cpu":
         return torch.from_numpy(np.repeat(values.numpy(), counts.numpy().astype(np.int64)))
     return torch.repeat_interleave(values, counts, output_size=total)
 
 
 def take(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """out[:] = src[idx] (numpy on CPU, see ``_ranges``)."""
+    """out[:] = src[idx] (numpy on CPU, see ``ranges``)."""
     if src.device.type == "cpu":
         np.take(src.numpy(), idx.numpy(), out=out.numpy())
     else:
@@ -257,7 +257,7 @@ def _arrow_col(b: JaggedBatch, name: str, typ: str, idx: np.ndarray | None, offs
         so = b.numpy(name + ".soff")
         ix = np.arange(len(so) - 1) if idx is None else idx
         ln = so[1:][ix] - so[:-1][ix]
-        gat = data[_np_ranges(so[:-1][ix], ln)]
+        gat = data[np_ranges(so[:-1][ix], ln)]
         off = np.concatenate([[0], np.cumsum(ln)]).astype(np.int64)
         arr = pa.LargeStringArray.from_buffers(len(ix), pa.py_buffer(off), pa.py_buffer(gat.tobytes()))
         arr = arr.cast(t)
@@ -344,7 +344,7 @@ def expand_batch(batch: JaggedBatch):
         end = np.where(is_ovr, base + oo[np.where(is_ovr, oi + 1, 0)], np.where(kind == 2, 0, end))
         null = kind == 2
     ln = end - begin
-    gidx = _np_ranges(begin, ln)
+    gidx = np_ranges(begin, ln)
     hoff = np.concatenate([[0], np.cumsum(ln)]).astype(np.int32)
     names = (roles.get("sequence") or {}) if fat else {}
     for name, (group, typ) in cols.items():

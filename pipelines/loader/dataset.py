@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ShardError
-from userwise.pipelines.loader import decode
+from userwise.pipelines.loader import assemble_torch, decode
+from userwise.pipelines.loader.assemble import Prepared
 from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, plan_node, user_unit
 from userwise.pipelines.loader.shards import NodeShards, open_node
 from userwise.pipelines.shards import gds as gdsmod
@@ -462,7 +463,7 @@ class UserwiseDataset(IterableDataset):
                     a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
                     if src is None:
                         yield self._empty(meta, alloc)
-                    elif isinstance(src, decode.Prepared):
+                    elif isinstance(src, Prepared):
                         yield src.assemble_range(a, b, alloc, meta)
                     else:
                         yield self.gather(src, buf.perm[a:b], alloc, meta)
@@ -483,7 +484,7 @@ class UserwiseDataset(IterableDataset):
         if cols is None:
             return None
         src = self.prepare(cols)
-        if isinstance(src, decode.Prepared):
+        if isinstance(src, Prepared):
             src = src.permuted(buf.perm)
         return src
 
@@ -491,13 +492,13 @@ class UserwiseDataset(IterableDataset):
     def prepare(cols: dict):
         """Host columns: stacked once per buffer for vectorised gathers; device columns as they are."""
         v = next(iter(cols.values())).values
-        return decode.Prepared(cols) if isinstance(v, np.ndarray) or v.device.type == "cpu" else cols
+        return Prepared(cols) if isinstance(v, np.ndarray) or v.device.type == "cpu" else cols
 
     @staticmethod
     def gather(src, idx, alloc, meta):
-        if isinstance(src, decode.Prepared):
+        if isinstance(src, Prepared):
             return src.assemble(idx, alloc, meta)
-        return decode.assemble(src, torch.from_numpy(np.asarray(idx, np.int64)), alloc, meta)
+        return assemble_torch.assemble(src, torch.from_numpy(np.asarray(idx, np.int64)), alloc, meta)
 
     def _empty(self, meta, alloc):
         # a rank with fewer samples than batches: an empty batch with the full layout

@@ -364,7 +364,7 @@ def test_loader_never_imports_pyspark(shardset):
         "import sys\n"
         "from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch\n"
         "from userwise.pipelines.loader import diagnose\n"
-        "from userwise.pipelines import gds\n"
+        "from userwise.pipelines.shards import gds\n"
         f"ds = UserwiseDataset({shardset!r}, batch_size=16, world_size=1, rank=0)\n"
         "b = [expand_batch(x) for x in UserwiseLoader(ds, num_workers=1)]\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'delta'))\n"
@@ -388,12 +388,12 @@ def test_two_node_set_reads_only_its_node(tmp_path):
 
 
 def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monkeypatch):
-    """Long sequences are copied run by run (decode._Runs), short ones gathered element-wise:
+    """Long sequences are copied run by run (stacked.Runs), short ones gathered element-wise:
     both paths must produce byte-identical batches."""
-    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader import stacked
 
     def batches(threshold):
-        monkeypatch.setattr(decode, "RUN_COPY_MIN", threshold)
+        monkeypatch.setattr(stacked, "RUN_COPY_MIN", threshold)
         ds = UserwiseDataset(shardset, batch_size=7, verify="none", world_size=1, rank=0, seed=3)
         return [(b.spec, b.buffer.clone()) for b in UserwiseLoader(ds)]
 

@@ -73,8 +73,8 @@ def test_compiled_copies_refuse_ranges_outside_their_arrays():
             segcopy.seg_copy(src, np.array(starts, np.int64), np.array(lengths, np.int64), np.zeros(n_out, np.int64))
     segcopy.seg_copy(src, 0 * one, 10 * one, np.zeros(10, np.int64))  # exactly fitting is fine
     nb = segcopy.batch_kernels()
-    ops = np.array([[nb.VAL, 0, 0, 0, 1, -1, -1]], np.int64)  # samples [a, b) of a 1-byte column
-    bsrc, isrc = segcopy.byte_sources([np.arange(4, dtype=np.uint8)]), segcopy.int_sources([np.zeros(1, np.int64)])
+    ops = np.array([nb.OpRow(nb.Op.VALUES, 0, 0, 0, 1, -1, -1)], np.int64)  # samples [a, b) of a 1-byte column
+    bsrc, isrc = nb.byte_sources([np.arange(4, dtype=np.uint8)]), nb.int_sources([np.zeros(1, np.int64)])
     pos, numel = np.zeros(1, np.int64), np.zeros(1, np.int64)
     for b, ok in ((4, True), (10, False)):  # 10 samples of a 4-byte column: past the source
         total = nb.batch_layout(ops, 0, b, isrc.table, 64, pos, numel)
@@ -125,7 +125,8 @@ def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatc
     """Whole epochs (strings, validity, long and short lists) assembled by the compiled batch
     kernels and by numpy are byte-identical (every list group copied by runs, or the default
     choice of runs and gathered blocks)."""
-    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader import stacked
+    from userwise.pipelines.loader.program import BatchProgram
 
     assert segcopy.batch_kernels() is not None, "numba is in the loader's extra: the batch kernels must compile"
 
@@ -133,15 +134,15 @@ def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatc
         if which == "numpy":
             monkeypatch.setattr(segcopy, "_IMPL", ("numpy", segcopy._numpy_copy, "test"))
         if run_copy_min is not None:
-            monkeypatch.setattr(decode, "RUN_COPY_MIN", run_copy_min)
+            monkeypatch.setattr(stacked, "RUN_COPY_MIN", run_copy_min)
         calls.clear()
         ds = UserwiseDataset(shardset, batch_size=5, verify="none", world_size=1, rank=0, seed=11)
         out = [(b.spec, b.buffer.clone(), b.meta["events"], b.meta["impressions"]) for b in UserwiseLoader(ds)]
         return out, len(calls)
 
     calls = []
-    compiled_fn = decode.Prepared._assemble_compiled
-    monkeypatch.setattr(decode.Prepared, "_assemble_compiled", lambda *a: calls.append(1) or compiled_fn(*a))
+    compiled_fn = BatchProgram.run
+    monkeypatch.setattr(BatchProgram, "run", lambda *a: calls.append(1) or compiled_fn(*a))
     (compiled, n_compiled), (plain, n_plain) = epoch("numba"), epoch("numpy")
     assert n_compiled == len(compiled) and n_plain == 0  # each side took the path it is meant to
     assert len(compiled) == len(plain) > 3
@@ -171,7 +172,8 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
     that include empty samples and the empty range, with runs and with gathered blocks."""
     import pyarrow as pa
 
-    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader import decode, stacked
+    from userwise.pipelines.loader.assemble import Prepared
 
     rng = np.random.default_rng(3)
     n = 57
@@ -196,12 +198,12 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
     cuts = [(0, 5), (5, 5), (5, 23), (23, 40), (40, n)]
 
     def batches():
-        src = decode.Prepared(cols).permuted(perm)
-        assert (src._prog is None) == (segcopy.batch_kernels() is None)
+        src = Prepared(cols).permuted(perm)
+        assert (src.program is None) == (segcopy.batch_kernels() is None)
         return [src.assemble_range(a, b, lambda k: torch.empty(k, dtype=torch.uint8), {}) for a, b in cuts]
 
     for run_copy_min in (0, 10_000):  # every list group by runs / every one gathered
-        monkeypatch.setattr(decode, "RUN_COPY_MIN", run_copy_min)
+        monkeypatch.setattr(stacked, "RUN_COPY_MIN", run_copy_min)
         compiled = batches()
         with monkeypatch.context() as m:
             m.setattr(segcopy, "_IMPL", ("numpy", segcopy._numpy_copy, "test"))

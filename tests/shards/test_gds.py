@@ -118,18 +118,19 @@ def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
     with the host assembler's bytes (the GPU run of the same code: tests/test_gpu.py)."""
     import torch
 
-    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader import assemble_torch, decode
+    from userwise.pipelines.loader.assemble import Prepared
 
     ds = UserwiseDataset(gdsset, gds="host", world_size=1, rank=0, batch_size=8, seed=3, verify="none")
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
     plan, n = ds.plan(0), 0
     for buf in plan.buffers:
         cols = ds.read_buffer(buf.rgs)
-        host = decode.Prepared(cols)
+        host = Prepared(cols)
         for k in range(buf.num_batches):
             idx = np.asarray(buf.perm[int(buf.bounds[k]): int(buf.bounds[k + 1])], np.int64)
             a = host.assemble(idx, alloc, {"index": n})
-            b = decode.assemble(decode._torch_cols(cols), torch.from_numpy(idx), alloc, {"index": n})
+            b = assemble_torch.assemble(decode.torch_cols(cols), torch.from_numpy(idx), alloc, {"index": n})
             assert a.spec == b.spec and a.meta["columns"] == b.meta["columns"]
             assert bytes(a.buffer.numpy()) == bytes(b.buffer.numpy())
             n += 1

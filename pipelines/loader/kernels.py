@@ -1,20 +1,83 @@
-"""The compiled kernels (imported on first use by :mod:`segcopy`; needs numba)."""
+"""The compiled kernels of batch assembly (numba; imported by :mod:`segcopy` on first use).
+
+- :func:`kernel`: the segmented copy behind :func:`segcopy.seg_copy`.
+- :func:`ranges`, :func:`perm_strings`: a buffer's shuffle (:meth:`assemble.Prepared.permuted`).
+- :func:`batch_layout`, :func:`batch_fill`: a whole batch from a *batch program*
+  (:mod:`program`): an int64 table with one row per array of the batch, its
+  columns the fields of :class:`OpRow`, its first column an :class:`Op`.
+  The arrays the rows name are passed as :class:`Sources` tables.
+"""
+
+from enum import IntEnum
+from typing import NamedTuple
 
 import numba
 import numpy as np
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-# batch program op kinds (decode.Prepared._program builds the table; see batch_fill)
-OFFS, VAL, RUN, STR, SOFF, SUB = 0, 1, 2, 3, 4, 5
+
+class Op(IntEnum):
+    """What one row of a batch program writes (:attr:`OpRow.kind`)."""
+
+    OFFSETS = 0  # a list group's offsets of samples [a, b], rebased to start at 0 (int64)
+    VALUES = 1  # the group's element range of one array, copied as it is
+    RUNS = 2  # every sample's run of one array left in place (run starts and lengths: int sources)
+    STRINGS = 3  # the bytes of one string column over the group's element range
+    STR_OFFSETS = 4  # that column's string offsets, rebased to its bytes in the batch (int64)
+    DERIVED = 5  # request -> sample or impression -> request index, rebased to the batch (int64)
+
+
+class OpRow(NamedTuple):
+    """One row of a batch program (one array of the batch, in layout order)."""
+
+    kind: int  # an Op
+    bytes_src: int  # byte source read (VALUES, RUNS, STRINGS; else 0)
+    ints: int  # int source read: string offsets (STRINGS, STR_OFFSETS), run starts (RUNS), the index (DERIVED)
+    ints2: int  # int source: run lengths (RUNS; else 0)
+    itemsize: int  # bytes per element written
+    group: int  # int source: offsets of the group whose element range this is (-1: one element per sample)
+    base: int  # DERIVED: int source of the offsets whose entry at a is subtracted (-1: a itself)
+
+
+# the ops table's column of each OpRow field (what the kernels index with)
+KIND, BYTES_SRC, INTS, INTS2, ITEMSIZE, GROUP, BASE = range(len(OpRow._fields))
+
+
+class Sources:
+    """Arrays handed to the batch kernels as one table: row 0 their addresses, row 1 their
+    lengths (elements), so a kernel views source k with ``numba.carray`` (a numba typed list
+    costs a compiled call and a reference count per array). ``keep`` holds the (contiguous)
+    arrays: the addresses are valid while this object lives."""
+
+    __slots__ = ("table", "keep")
+
+    def __init__(self, arrays, dtype):
+        dtype = np.dtype(dtype)
+        keep = [np.ascontiguousarray(a).reshape(-1).view(dtype) if dtype == np.uint8
+                else np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in arrays]
+        table = np.zeros((2, max(1, len(keep))), np.int64)  # one zero entry at least: a valid table
+        for k, a in enumerate(keep):
+            table[0, k] = a.__array_interface__["data"][0]
+            table[1, k] = a.shape[0]
+        self.table, self.keep = table, keep
+
+
+def byte_sources(arrays) -> Sources:
+    """The batch kernels' byte sources (uint8 views of the arrays)."""
+    return Sources(arrays, np.uint8)
+
+
+def int_sources(arrays) -> Sources:
+    """The batch kernels' int64 sources (offsets, runs, derived indices)."""
+    return Sources(arrays, np.int64)
 
 
 @intrinsic
 def _memcpy(typingctx, dst, doff, src, soff, n):
     """dst[doff:doff+n] = src[soff:soff+n] (elements of one dtype, no bounds check) as one
-    ``llvm.memcpy``: libc's block copy. Numba lowers a slice assignment to an element loop
-    (5.6-7 GB/s on 1.6 KB runs here, 1.2 GB/s on 72-byte runs, where this does 21-23 and
-    7.8 GB/s). Pure LLVM IR, so the kernels stay cacheable."""
+    ``llvm.memcpy``: libc's block copy, where numba lowers a slice assignment to an element
+    loop (several times slower). Pure LLVM IR, so the kernels stay cacheable."""
     if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.dtype == src.dtype):
         return None
     sig = types.void(dst, types.intp, src, types.intp, types.intp)
@@ -49,7 +112,7 @@ _i64_ptr = _pointer_to(types.int64)
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _bytes(src, k):  # pragma: no cover (compiled)
-    """Byte source k of a source table (row 0 addresses, row 1 lengths: segcopy.Sources)."""
+    """Byte source k of a source table (row 0 addresses, row 1 lengths: Sources)."""
     return numba.carray(_u8_ptr(src[0, k]), (src[1, k],))
 
 
@@ -83,7 +146,7 @@ def kernel(src, starts, lengths, out):  # pragma: no cover (compiled; covered th
 
 
 @numba.njit(nogil=True, cache=True)
-def ranges(starts, lengths, out):  # pragma: no cover (compiled; covered through decode.Prepared.permuted)
+def ranges(starts, lengths, out):  # pragma: no cover (compiled; covered through assemble.Prepared.permuted)
     """out = concatenate([arange(s, s + l) for s, l in zip(starts, lengths)]) (the element
     indexes of runs), in one pass; returns the count written."""
     d = 0
@@ -99,7 +162,7 @@ def ranges(starts, lengths, out):  # pragma: no cover (compiled; covered through
 
 
 @numba.njit(nogil=True, cache=True)
-def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cover (compiled; covered through decode)
+def perm_strings(data, soff, starts, lengths, out, out_soff):  # pragma: no cover (compiled; covered through assemble)
     """The string columns of one group, their elements taken run by run: run i is elements
     starts[i]: starts[i] + lengths[i] of every row of ``soff`` (per column, offsets into the
     shared bytes ``data``). ``out`` gets column 0's bytes of every run, then column 1's...;
@@ -145,24 +208,24 @@ def _range(isrc, g, a, b):  # pragma: no cover (compiled)
 @numba.njit(nogil=True, cache=True)
 def batch_layout(ops, a, b, isrc, align, pos, numel):  # pragma: no cover (compiled)
     """Element count and aligned byte position of every array of the batch of samples [a, b);
-    returns the batch's bytes. ops rows: (kind, bytes src, int src, int src 2, itemsize,
-    group offsets, base group offsets). isrc: the int sources' table (segcopy.Sources)."""
+    returns the batch's bytes. ops: one :class:`OpRow` per array; isrc: the int sources'
+    table (Sources)."""
     total = 0
     for i in range(ops.shape[0]):
-        kind = ops[i, 0]
-        ea, eb = _range(isrc, ops[i, 5], a, b)
-        if kind == OFFS:
+        kind = ops[i, KIND]
+        ea, eb = _range(isrc, ops[i, GROUP], a, b)
+        if kind == Op.OFFSETS:
             n = b - a + 1
-        elif kind == STR:
-            so = _ints(isrc, ops[i, 2])
+        elif kind == Op.STRINGS:
+            so = _ints(isrc, ops[i, INTS])
             n = so[eb] - so[ea]
-        elif kind == SOFF:
+        elif kind == Op.STR_OFFSETS:
             n = eb - ea + 1
-        else:  # VAL, RUN, SUB
+        else:  # VALUES, RUNS, DERIVED
             n = eb - ea
         numel[i] = n
         pos[i] = total
-        total += (n * ops[i, 4] + align - 1) // align * align
+        total += (n * ops[i, ITEMSIZE] + align - 1) // align * align
     return total
 
 
@@ -184,38 +247,38 @@ def _copy(out, d, src, s, m):  # pragma: no cover (compiled)
 def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma: no cover (compiled)
     """Write the batch of samples [a, b) into ``out`` (bytes) at the positions batch_layout gave:
     every array of every column in one call, alignment padding and the tail zeroed. bsrc and
-    isrc: the byte and int sources' tables (segcopy.Sources; the caller keeps the arrays alive)."""
+    isrc: the byte and int sources' tables (Sources; the caller keeps the arrays alive)."""
     for i in range(ops.shape[0]):
-        kind = ops[i, 0]
-        w = ops[i, 4]
-        ea, eb = _range(isrc, ops[i, 5], a, b)
+        kind = ops[i, KIND]
+        w = ops[i, ITEMSIZE]
+        ea, eb = _range(isrc, ops[i, GROUP], a, b)
         p = pos[i]
         n = numel[i]
-        if kind == VAL:
-            _copy(out, p, _bytes(bsrc, ops[i, 1]), ea * w, n * w)
-        elif kind == RUN:
-            src = _bytes(bsrc, ops[i, 1])
-            st = _ints(isrc, ops[i, 2])
-            ln = _ints(isrc, ops[i, 3])
+        if kind == Op.VALUES:
+            _copy(out, p, _bytes(bsrc, ops[i, BYTES_SRC]), ea * w, n * w)
+        elif kind == Op.RUNS:
+            src = _bytes(bsrc, ops[i, BYTES_SRC])
+            st = _ints(isrc, ops[i, INTS])
+            ln = _ints(isrc, ops[i, INTS2])
             d = p
             for s in range(a, b):
                 m = ln[s] * w
                 _copy(out, d, src, st[s] * w, m)
                 d += m
-        elif kind == STR:
-            _copy(out, p, _bytes(bsrc, ops[i, 1]), _ints(isrc, ops[i, 2])[ea], n)
+        elif kind == Op.STRINGS:
+            _copy(out, p, _bytes(bsrc, ops[i, BYTES_SRC]), _ints(isrc, ops[i, INTS])[ea], n)
         else:  # int64 arrays written value by value: offsets rebased to the batch, derived indices
             o = out[p: p + 8 * n].view(np.int64)
-            if kind == OFFS:
-                src = _ints(isrc, ops[i, 5])
+            if kind == Op.OFFSETS:
+                src = _ints(isrc, ops[i, GROUP])
                 s0, base = a, src[a]
-            elif kind == SOFF:
-                src = _ints(isrc, ops[i, 2])
+            elif kind == Op.STR_OFFSETS:
+                src = _ints(isrc, ops[i, INTS])
                 s0, base = ea, src[ea]
-            else:  # SUB: request -> sample (base a), impression -> request (base: the batch's first request)
-                src = _ints(isrc, ops[i, 2])
+            else:  # DERIVED: request -> sample (base a), impression -> request (base: the batch's first request)
+                src = _ints(isrc, ops[i, INTS])
                 s0 = ea
-                base = a if ops[i, 6] < 0 else _ints(isrc, ops[i, 6])[a]
+                base = a if ops[i, BASE] < 0 else _ints(isrc, ops[i, BASE])[a]
             for k in range(n):
                 o[k] = src[s0 + k] - base
         end = p + (n * w + align - 1) // align * align
@@ -223,3 +286,23 @@ def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma:
             out[q] = 0
     for q in range(total, out.shape[0]):
         out[q] = 0
+
+
+def warm() -> None:
+    """Run every batch kernel once on tiny inputs (compiles them, or loads them from numba's
+    cache), so that worker processes forked afterwards inherit them compiled."""
+    ops = np.array([OpRow(Op.OFFSETS, 0, 0, 0, 8, 0, -1), OpRow(Op.VALUES, 0, 0, 0, 1, 0, -1),
+                    OpRow(Op.RUNS, 0, 1, 2, 1, -1, -1), OpRow(Op.STRINGS, 0, 1, 0, 1, -1, -1),
+                    OpRow(Op.STR_OFFSETS, 0, 1, 0, 8, -1, -1), OpRow(Op.DERIVED, 0, 1, 0, 8, -1, -1)], np.int64)
+    bsrc = byte_sources([np.arange(4, dtype=np.uint8)])
+    isrc = int_sources([np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([1, 1])])
+    pos, numel = np.zeros(len(ops), np.int64), np.zeros(len(ops), np.int64)
+    total = batch_layout(ops, 0, 1, isrc.table, 64, pos, numel)
+    batch_fill(np.zeros(max(total, 64), np.uint8), ops, 0, 1, bsrc.table, isrc.table, pos, numel, 64, total)
+    one = np.ones(1, np.int64)
+    ranges(one, one, np.zeros(1, np.int64))
+    data = np.arange(4, dtype=np.uint8)
+    ro = data.view()
+    ro.flags.writeable = False  # string bytes straight from Arrow are read-only: a type of their own to numba
+    for d in (data, ro):
+        perm_strings(d, np.array([[0, 2, 4]], np.int64), one, one, np.zeros(2, np.uint8), np.zeros((1, 2), np.int64))
