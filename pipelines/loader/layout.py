@@ -79,7 +79,8 @@ class Block:
 @dataclass(frozen=True)
 class StringsRecipe:
     """The string columns of one group: their bytes share one array. Column c's bytes are
-    entry ``bytes_at + c``, its offsets ``soff_at + c``, its byte count count ``first_count + c``."""
+    entry ``bytes_at + c``, its offsets entry ``soff_at + c``; its length in bytes is count
+    ``first_count + c``."""
 
     bytes_at: int
     soff_at: int
@@ -151,7 +152,7 @@ class _Group:
     label: str
     offsets_col: str | None = None
     num: dict | None = None  # dtype name -> [(column position, name)]
-    str: list | None = None  # [(column position, name)]
+    strings: list | None = None  # [(column position, name)]
     valid: list | None = None
 
 
@@ -167,7 +168,7 @@ def _derive(cols: dict[str, Col]) -> BatchLayout:
         if c.offsets is not None and G.offsets_col is None:
             G.offsets_col = name
         if c.str_offsets is not None:
-            G.str.append((order[name], name))
+            G.strings.append((order[name], name))
         else:
             G.num.setdefault(c.values.dtype.name, []).append((order[name], name))
         if c.validity is not None:
@@ -193,17 +194,17 @@ def _derive(cols: dict[str, Col]) -> BatchLayout:
                 entries.append(Entry(layout_key(g, sub, Part.VALUES, dt, ci), name, dt, n_count))
             blocks.append((layout_key(g, sub, Part.VALUES, dt, items[0][0]), tuple(name for _, name in items)))
         strings = None
-        if G.str:
-            G.str.sort()
+        if G.strings:
+            G.strings.sort()
             first = ncounts
-            for ci, name in G.str:
+            for ci, name in G.strings:
                 entries.append(Entry(layout_key(g, sub, Part.BYTES, "", ci), name, "uint8", ncounts))
                 entries.append(Entry(layout_key(g, sub, Part.STR_OFFSETS, "int64", ci), name + ".soff", "int64",
                                      n1_count))
                 ncounts += 1
-            c0 = G.str[0][0]
+            c0 = G.strings[0][0]
             strings = (layout_key(g, sub, Part.BYTES, "", c0), layout_key(g, sub, Part.STR_OFFSETS, "int64", c0),
-                       tuple(name for _, name in G.str), first)
+                       tuple(name for _, name in G.strings), first)
         valid = None
         if G.valid:
             G.valid.sort()
