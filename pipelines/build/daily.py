@@ -2,11 +2,14 @@
 
 - ``requests_day``: one date's requests, events and quarantine;
 - ``history_day``: MERGE one date's actions into the history;
-- ``window_day``: the incremental samples of the window ending after a date,
-  from the history as of the window start (time travel) plus the window's events;
+- ``window_day``: the incremental samples of the window ending after a date:
+  per user the newest H events before the window start, derived from the
+  events table, plus the window's own events;
 - ``pretrain``: the pretrain samples (one job over all older requests).
 
-``userwise build`` (pipelines.build) runs the same functions over a range.
+``userwise build`` (pipelines.build.range) computes all its sets with the same
+function (:func:`set_samples`) in one plan, so a range run and the daily jobs give
+the same tables.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from pyspark.sql import functions as F
 from userwise import schemas as S
 from userwise.pipelines import config as C
 from userwise.pipelines.build import build_record, ingest
-from userwise.pipelines.build.history import History, events_between
+from userwise.pipelines.build.history import History, SetPlan, set_streams
 from userwise.pipelines.build.inputs import read_spark
-from userwise.pipelines.build.pointer import lean_samples
+from userwise.pipelines.build.pointer import SET, lean_sets
 from userwise.pipelines.errors import QuarantineLimitError, UserwiseError
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import EV
@@ -168,14 +171,6 @@ def _requests(spark, output: str, start: dt.date | None, end: dt.date) -> DataFr
     return r.where(cond)
 
 
-def _samples_for(cfg, layout, events, reqs, kind, ws, we):
-    if layout.fat:
-        from userwise.pipelines.build.fat_rows import fat_samples
-
-        return fat_samples(cfg, layout, reqs, kind, ws, we)
-    return lean_samples(cfg, layout, events, reqs, kind, ws, we)
-
-
 def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
     """Replace the sets ``keys`` ((kind, window_end) each) with ``df`` in one commit; per set,
     what was written (read back from the files' columns, without Spark)."""
@@ -205,16 +200,41 @@ def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: li
     return out
 
 
+def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
+                sets: list[tuple[str, dt.date | None, dt.date]]) -> list[dict]:
+    """The samples of ``sets`` ((kind, start, end) each; start None: from the first day,
+    the pretrain set) from one Spark plan, written in one commit; per set, what was written.
+
+    Every step is keyed by (user, set): a lean set's stream is its base (the newest H
+    events before its start) and its own events, all sets' derived at once from the
+    events table (:func:`history.set_streams`); a fat set's stream is its own requests'
+    snapshots. One set is the same code, so the daily jobs equal a range build."""
+    plan = SetPlan(cfg, [(st, en) for _, st, en in sets])
+    # the pretrain set spans from the first request day (one value per set: readers group by
+    # it), read from the requests table's log rather than by a Spark job
+    meta = [(k, _first_day(output, en) if st is None else st, en) for k, st, en in sets]
+    reqs = _requests(spark, output, None if any(st is None for _, st, _ in sets) else plan.d0, plan.dend)
+    reqs = reqs.select("*", F.explode(plan.sets_of(plan.segment_of_date(F.col("date")))).alias(SET))
+    if layout.fat:
+        from userwise.pipelines.build.fat_rows import fat_sets
+
+        df = fat_sets(cfg, layout, reqs, meta)
+    else:
+        events = delta_io.read(spark, delta_io.table_path(output, "events"))
+        stream = set_streams(cfg, layout, plan, events, reqs.select("user", SET).distinct())
+        df = lean_sets(cfg, layout, stream, reqs, meta)
+    if len(sets) > 1:
+        # Every task holds rows of every set: written as they are, each set would get a file
+        # per task (small files, worse compression). AQE's rebalance groups a set's rows and
+        # still splits a large set into files of the advisory size. (Spark ignores the hint
+        # when AQE is off: then the files are as before, never one task per set.)
+        df = df.hint("rebalance", "kind", "window_end")
+    return _write_samples(spark, output, layout, df, [(k, en) for k, _, en in sets])
+
+
 def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date) -> dict:
     """All requests before ``boundary`` (= as-of minus M days), merged per user."""
-    events = delta_io.read(spark, delta_io.table_path(output, "events"))
-    events = events_between(cfg, events, None, boundary)
-    reqs = _requests(spark, output, None, boundary)
-    # The pretrain set spans from the first request day (one value per set: readers group by it),
-    # read from the requests table's log rather than by a Spark job.
-    first = _first_day(output, boundary)
-    df = _samples_for(cfg, layout, events, reqs, "pretrain", first, boundary)
-    out = _write_samples(spark, output, layout, df, [("pretrain", boundary)])[0]
+    out = set_samples(spark, cfg, layout, output, [("pretrain", None, boundary)])[0]
     log_set(out, None)
     return out
 
@@ -228,50 +248,15 @@ def log_set(out: dict, ws: dt.date | None) -> None:
     if out["kind"] == "pretrain":
         log(f"pretrain samples before {out['window_end']}: {out['samples']} samples, {out['impressions']} impressions")
     else:
-        log(f"window [{ws}, {out['window_end']}): {out['samples']} samples, {out['impressions']} impressions"
-            + (f" (history version {out['history_version']})" if "history_version" in out else ""))
+        log(f"window [{ws}, {out['window_end']}): {out['samples']} samples, {out['impressions']} impressions")
 
 
 def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
-    """Incremental samples of [ws, we): history as of ws (time travel) + the window's own events."""
-    hist = History(spark, cfg, layout, output)
-    from userwise.pipelines.build.history import explode_history
-
-    v = hist.version_before(ws)
-    base = explode_history(layout, hist.at(v))
-    events = delta_io.read(spark, delta_io.table_path(output, "events"))
-    own = events_between(cfg, events, ws, we).select("user", *[f.name for f in S.event_fields(layout)])
-    stream = base.unionByName(own)
-    reqs = _requests(spark, output, ws, we)
-    df = _samples_for(cfg, layout, stream, reqs, "incremental", ws, we)
-    out = _write_samples(spark, output, layout, df, [("incremental", we)])[0]
-    out["history_version"] = v
+    """Incremental samples of [ws, we): the newest H events before ws, derived from the
+    events table, plus the window's own events."""
+    out = set_samples(spark, cfg, layout, output, [("incremental", ws, we)])[0]
     log_set(out, ws)
     return out
-
-
-def fat_range_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date,
-                      wins: list[tuple[dt.date, dt.date]]) -> list[dict]:
-    """Fat rows over a range: the pretrain samples and every window's from one Spark plan and
-    one commit. A fat set's stream is its own requests' snapshots (no history), so nothing
-    here waits for the day before; the rows equal :func:`pretrain_samples` and
-    :func:`window_samples` run one by one (the same :func:`fat.fat_sets`, one set each)."""
-    from userwise.pipelines.build.fat_rows import SET, fat_sets
-
-    end = wins[-1][1] if wins else boundary
-    reqs = _requests(spark, output, None, end)
-    sets = [("pretrain", _first_day(output, boundary), boundary)] + [("incremental", ws, we) for ws, we in wins]
-    d = F.col("date")
-    which = F.when(d < F.lit(boundary), F.lit(0))
-    for k, (ws, we) in enumerate(wins):
-        which = which.when((d >= F.lit(ws)) & (d < F.lit(we)), F.lit(k + 1))
-    df = fat_sets(cfg, layout, reqs.withColumn(SET, which), sets)
-    # Every task holds rows of every set: written as they are, each set would get a file per
-    # task (small files, worse compression). AQE's rebalance groups a set's rows and still
-    # splits a large set into files of the advisory size. (Spark ignores the hint when AQE
-    # is off: then the files are as before, never one task per set.)
-    df = df.hint("rebalance", "kind", "window_end")
-    return _write_samples(spark, output, layout, df, [(kind, we) for kind, _, we in sets])
 
 
 # ---------------------------------------------------------------------------

@@ -23,7 +23,16 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from userwise import schemas as S
-from userwise.pipelines.build.pointer import assign_chunks, bucket_of, keep, prefix, route_events, sample_rows
+from userwise.pipelines.build.pointer import (
+    SET,
+    assign_chunks,
+    bucket_of,
+    by_set,
+    keep,
+    prefix,
+    route_events,
+    sample_rows,
+)
 from userwise.pipelines.config import Config
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import EV, SNAP, Layout
@@ -65,9 +74,6 @@ def stream_order(layout: Layout) -> list[str]:
 def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_start, window_end) -> DataFrame:
     """The samples of one set (pretrain, or one window) from its requests."""
     return fat_sets(cfg, layout, reqs.withColumn(SET, F.lit(0)), [(kind, window_start, window_end)])
-
-
-SET = "_set"
 
 
 def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) -> DataFrame:
@@ -122,18 +128,8 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
         wide = wide.withColumn(f"_ovr_{sf.name}",
                                F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
     seq_map = {r_: f"f_{r_}" for r_ in roles}
-    kind, ws, we = (_by_set([s_[i] for s_ in sets]) for i in range(3))
+    kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
     return sample_rows(cfg, layout, routed, wide, kind, ws, we, seq_map, part)
-
-
-def _by_set(values: list):
-    """A set's value as a column over ``_set`` (a literal when there is one set)."""
-    if len(values) == 1:
-        return values[0]
-    c = F.lit(None)
-    for i, v in enumerate(values):
-        c = F.when(F.col(SET) == i, F.lit(v)).otherwise(c)
-    return c
 
 
 def fat_events(cfg: Config, layout: Layout, reqs: DataFrame) -> DataFrame:

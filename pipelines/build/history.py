@@ -1,9 +1,16 @@
-"""The user history table: per user the newest H events, kept by a daily MERGE.
+"""The stream as of any date, derived from the events table, and the history table.
 
-A small ``history_log`` table records, per date, the history's Delta version
-after that date's MERGE: the window starting the next day reads the history
-at that version (time travel). Rerunning an older date restores the version
-of the day before and replays the later dates.
+The events table is the truth. A window's stored stream is, per user, the
+newest H events strictly before its start plus its own events; the history as
+of a date D is the newest H events strictly before D. Both are one Spark
+computation over the events for any number of dates (:func:`set_streams`,
+:func:`newest`): nothing replays days or reads an old Delta version.
+
+The history table is a cache that the daily job keeps with one MERGE per
+date. ``history_log`` records, per date a history job ran for, the table's
+Delta version after it; its newest date is the day the table is as of (end
+of). Rerunning a date at or before that day derives the history as of that
+day from the events in one job.
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ from __future__ import annotations
 import datetime as dt
 import os
 
-from pyspark.sql import DataFrame, Window
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines.build.ingest import day_of, day_start
-from userwise.pipelines.build.pointer import bucket_of, event_cols
+from userwise.pipelines.build.ingest import SECONDS_PER_DAY, day_of, day_start
+from userwise.pipelines.build.pointer import SET, bucket_of, event_cols
 from userwise.pipelines.config import Config
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io
@@ -68,8 +75,96 @@ def events_between(cfg: Config, events: DataFrame, start: dt.date | None, end: d
     return events.where(cond)
 
 
+class SetPlan:
+    """Sample sets by their time bounds, on a calendar of UTC days.
+
+    ``bounds``: per set (start, end) dates, start None for "from the beginning" (the
+    pretrain set). Days from the first bound on are segments 0, 1, ...; everything
+    before it is segment -1. A set covers the segments of its days, so an event's
+    or a request's sets are a lookup by segment (sets may overlap).
+    """
+
+    def __init__(self, cfg: Config, bounds: list[tuple[dt.date | None, dt.date]]):
+        if not bounds:
+            raise ValueError("no sample sets")
+        self.bounds = bounds
+        finite = [d for s_, e in bounds for d in (s_, e) if d is not None]
+        self.d0, self.dend = min(finite), max(e for _, e in bounds)
+        ups = cfg.units_per_second
+        self.s0, self.end = day_start(self.d0, ups), day_start(self.dend, ups)
+        self.unit = SECONDS_PER_DAY * ups
+        segs = (self.dend - self.d0).days
+        self.first = [-1 if s_ is None else (s_ - self.d0).days for s_, _ in bounds]
+        self.covers = {g: [j for j, (f, (_, e)) in enumerate(zip(self.first, bounds))
+                           if f <= g < (e - self.d0).days] for g in range(-1, segs)}
+        # a set with a start has a base: the newest H events before it
+        self.has_base = any(s_ is not None for s_, _ in bounds)
+
+    def segment_of_time(self, t: Column) -> Column:
+        return F.when(t < F.lit(self.s0), F.lit(-1)).otherwise(
+            F.floor((t - F.lit(self.s0)) / F.lit(self.unit))).cast("int")
+
+    def segment_of_date(self, d: Column) -> Column:
+        return F.when(d < F.lit(self.d0), F.lit(-1)).otherwise(F.datediff(d, F.lit(self.d0))).cast("int")
+
+    def sets_of(self, segment: Column) -> Column:
+        """The sets covering a segment (array<int>, empty when none)."""
+        table = F.array(*[F.array(*[F.lit(j) for j in self.covers[g]]).cast("array<int>")
+                          for g in sorted(self.covers)])
+        return F.element_at(table, segment + 2)
+
+    def first_segment(self, set_col: Column) -> Column:
+        return F.element_at(F.array(*[F.lit(f) for f in self.first]), set_col + 1)
+
+
+def set_streams(cfg: Config, layout: Layout, plan: SetPlan, events: DataFrame, active: DataFrame) -> DataFrame:
+    """Every set's stream in one plan: user, _set, ev_* columns.
+
+    A set's stream is, per user, the newest H events strictly before its start (its
+    base, as the history table as of that day holds them) and its own events.
+    ``active``: the (user, _set) pairs that have requests; bases are made only for them.
+
+    An event of rank k in its user's stream (total order) belongs to the base of a later
+    set j exactly while fewer than H of the user's events lie between it and j's start,
+    i.e. while c_j < k + H (c_j: the user's events before j's start). Only the newest H
+    events of each (user, segment) can qualify, so the copies are bounded by the bases'
+    own size; ranks come from per-segment counts, and no window spans a user's whole log.
+    """
+    H = cfg.history_length
+    cols = event_cols(layout)
+    ts = F.col(EV + "ts")
+    e = events.select("user", *cols).where(ts < F.lit(plan.end)).withColumn("_g", plan.segment_of_time(ts))
+    own = e.select("user", F.explode(plan.sets_of(F.col("_g"))).alias(SET), *cols)
+    if not plan.has_base:
+        return own
+    # the newest H events of each (user, segment): per time bucket first, so a bot user's
+    # segment spreads over many tasks
+    t = e.withColumn("_sk", bucket_of(ts, cfg))
+    t = t.withColumn("_r", F.row_number().over(
+        Window.partitionBy("user", "_g", "_sk").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= H)
+    t = t.withColumn("_r", F.row_number().over(
+        Window.partitionBy("user", "_g").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= H)
+    # per user, one row per segment: its events (_n), the events before it (_c) and the
+    # active sets starting there
+    counts = e.groupBy("user", "_g").agg(F.count(F.lit(1)).alias("_n"))
+    starts = active.select("user", SET, plan.first_segment(F.col(SET)).alias("_g")).where(F.col("_g") >= 0)
+    segs = counts.unionByName(starts, allowMissingColumns=True).groupBy("user", "_g").agg(
+        F.coalesce(F.sum("_n"), F.lit(0)).cast("long").alias("_n"), F.collect_set(SET).alias("_sets"))
+    before = Window.partitionBy("user").orderBy("_g").rowsBetween(Window.unboundedPreceding, -1)
+    segs = segs.withColumn("_c", F.coalesce(F.sum("_n").over(before), F.lit(0)).cast("long"))
+    per_user = segs.groupBy("user").agg(
+        F.collect_list(F.struct("_g", "_c", "_n", "_sets")).alias("_segs"))
+    j = t.join(per_user, on="user", how="inner")
+    mine = F.filter(F.col("_segs"), lambda x: x["_g"] == F.col("_g"))[0]
+    rank = mine["_c"] + mine["_n"] - F.col("_r") + 1
+    later = F.filter(F.col("_segs"), lambda x: (x["_g"] > F.col("_g")) & (F.size(x["_sets"]) > 0)
+                     & (x["_c"] < rank + F.lit(H)))
+    base = j.select("user", F.explode(F.flatten(F.transform(later, lambda x: x["_sets"]))).alias(SET), *cols)
+    return own.unionByName(base)
+
+
 class History:
-    """The history table and its version log under one build folder."""
+    """The history table and its log under one build folder."""
 
     def __init__(self, spark, cfg: Config, layout: Layout, output: str):
         self.spark, self.cfg, self.layout = spark, cfg, layout
@@ -84,52 +179,40 @@ class History:
         t = delta_io.read_small(self.log_path, ["date", "version"])
         return {d: int(v) for d, v in zip(t.column("date").to_pylist(), t.column("version").to_pylist())}
 
-    def _record(self, date: dt.date, retention_days: int) -> int:
+    def _record(self, dates: list[dt.date], since: dt.date | None = None) -> int:
+        """Log ``dates`` at the table's current version, replacing the rows from ``since``
+        (default: the first of ``dates``) on."""
         import pyarrow as pa
 
         v = delta_io.version(self.spark, self.path)
-        row = pa.Table.from_pylist([{"date": date, "version": v, "written_at": dt.datetime.now(dt.timezone.utc)}],
-                                   schema=S.HISTORY_LOG.to_arrow())
-        delta_io.write_small(self.log_path, row, f"date = '{date.isoformat()}'")
+        now = dt.datetime.now(dt.timezone.utc)
+        rows = pa.Table.from_pylist([{"date": d, "version": v, "written_at": now} for d in dates],
+                                    schema=S.HISTORY_LOG.to_arrow())
+        delta_io.write_small(self.log_path, rows, f"date >= '{(since or min(dates)).isoformat()}'")
         return v
 
-    def _drop_log_from(self, date: dt.date) -> None:
-        delta_io.delete_small(self.log_path, f"date >= '{date.isoformat()}'")
-
-    def version_before(self, date: dt.date) -> int | None:
-        """Delta version holding the history as of the start of ``date`` (None: empty history)."""
-        log = self.log()
-        prev = date - dt.timedelta(days=1)
-        if prev in log:
-            return log[prev]
-        if not log or min(log) > prev:
-            return None
-        raise UserwiseError(
-            f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
-            f"run `userwise history --date {prev}` first")
-
-    def at(self, version: int | None) -> DataFrame:
-        if version is None:
-            return self.spark.createDataFrame([], S.history_schema(self.layout).to_spark())
-        return delta_io.read(self.spark, self.path, version)
+    def empty(self) -> DataFrame:
+        return self.spark.createDataFrame([], S.history_schema(self.layout).to_spark())
 
     # -- writes ----------------------------------------------------------------
-    def seed(self, date: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> int:
-        """History as of the end of ``date`` in one job from the events table (range builds)."""
+    def derive(self, date: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS,
+               dates: list[dt.date] | None = None, since: dt.date | None = None) -> int:
+        """The history as of the end of ``date``, derived from the events table in one job,
+        replaces the table; ``dates`` (default: ``date``) are logged with its version, the
+        log's rows from ``since`` on replaced (a range build passes its first day: the
+        table holds nothing from before)."""
         events = delta_io.read(self.spark, self.events_path)
-        hist = newest(self.cfg, self.layout, events_between(self.cfg, events, None,
-                                                           date + dt.timedelta(days=1)),
+        hist = newest(self.cfg, self.layout, events_between(self.cfg, events, None, date + dt.timedelta(days=1)),
                       self.cfg.history_length)
         delta_io.replace(hist, self.path, None, schema=S.history_schema(self.layout),
                          properties=delta_io.retention_properties(retention_days))
-        self._drop_log_from(dt.date(1970, 1, 1))
-        return self._record(date, retention_days)
+        return self._record(dates or [date], since)
 
     def _merge_one(self, date: dt.date, retention_days: int) -> int:
         events = delta_io.read(self.spark, self.events_path)
         day = events_between(self.cfg, events, date, date + dt.timedelta(days=1))
         exists = delta_io.exists(self.spark, self.path)
-        base = delta_io.read(self.spark, self.path) if exists else self.at(None)
+        base = delta_io.read(self.spark, self.path) if exists else self.empty()
         touched = day.select("user").distinct()
         old = explode_history(self.layout, base.join(touched, on="user", how="inner"))
         updates = newest(self.cfg, self.layout, old.unionByName(day.select("user", *event_cols(self.layout))),
@@ -142,25 +225,22 @@ class History:
             st = schema.to_spark()
             updates = updates.select([F.col(f.name).cast(f.dataType) for f in st.fields])
             delta_io.merge_by_key(self.spark, self.path, updates, "user")
-        return self._record(date, retention_days)
+        return self._record([date])
 
     def update(self, date: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> dict:
-        """MERGE ``date``; a date at or before the newest restores and replays (idempotent)."""
+        """Bring the history to the end of ``date``: the next date is one MERGE; a date at or
+        before the newest logged one (a rerun) derives the history as of the newest date from
+        the events in one job, so the later dates stay applied (idempotent)."""
         log = self.log()
-        replay: list[dt.date] = []
         if log and max(log) >= date:
-            replay = sorted(d for d in log if d > date)
-            before = self.version_before(date)
-            if before is None:
-                # Nothing before this date: start the table over.
-                empty = self.at(None)
-                delta_io.replace(empty, self.path, None, schema=S.history_schema(self.layout))
-            else:
-                delta_io.restore(self.spark, self.path, before)
-            self._drop_log_from(date)
-        elif log:
-            self.version_before(date)  # refuses a gap
-        versions = {date.isoformat(): self._merge_one(date, retention_days)}
-        for d in replay:
-            versions[d.isoformat()] = self._merge_one(d, retention_days)
-        return {"history_versions": versions, "replayed": [d.isoformat() for d in replay]}
+            last = max(log)
+            later = sorted(d for d in log if d > date)
+            v = self.derive(last, retention_days, dates=[date, *later])
+            return {"history_versions": {d.isoformat(): v for d in [date, *later]},
+                    "replayed": [d.isoformat() for d in later]}
+        if log and max(log) < date - dt.timedelta(days=1):
+            prev = date - dt.timedelta(days=1)
+            raise UserwiseError(
+                f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
+                f"run `userwise history --date {prev}` first")
+        return {"history_versions": {date.isoformat(): self._merge_one(date, retention_days)}, "replayed": []}

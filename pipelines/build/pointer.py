@@ -86,24 +86,25 @@ def event_cols(layout: Layout) -> list[str]:
 
 
 def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame,
-                 sort_cols: list[str] | None = None) -> tuple[DataFrame, DataFrame]:
+                 part: tuple[str, ...] = ()) -> tuple[DataFrame, DataFrame]:
     """Give every event its index in its user's stream and every request its seq_end.
 
-    ``events``: user + ev_* columns. ``requests``: user, req_id, req_time, ...
+    ``events``: user, *part + ev_* columns. ``requests``: user, *part, req_id, req_time, ...
+    A stream is per (user, *part): ``part`` names the sample set where one frame holds several.
     seq_end counts the events strictly before the request time.
     """
-    sort_cols = sort_cols or S.sort_key(layout)
+    sort_cols = S.sort_key(layout)
     ev = events.select(
-        "user", *event_cols(layout), F.lit(1).alias("_is_ev"), F.col(EV + "ts").alias("_t"),
+        "user", *part, *event_cols(layout), F.lit(1).alias("_is_ev"), F.col(EV + "ts").alias("_t"),
     )
-    rq = requests.select("user", F.col("req_id").alias("_rid"), F.col("req_time").alias("_t"),
+    rq = requests.select("user", *part, F.col("req_id").alias("_rid"), F.col("req_time").alias("_t"),
                          F.lit(0).alias("_is_ev"))
     u = ev.unionByName(rq, allowMissingColumns=True).withColumn("_sk", bucket_of(F.col("_t"), cfg))
     order = [F.col("_t").asc(), F.col("_is_ev").asc()] + [F.col(c).asc_nulls_first() for c in sort_cols]
-    u = keep(prefix(u, ["user"], "_sk", order, sums={"_cum": "_is_ev"}))
-    events_idx = u.where(F.col("_is_ev") == 1).select("user", *event_cols(layout),
+    u = keep(prefix(u, ["user", *part], "_sk", order, sums={"_cum": "_is_ev"}))
+    events_idx = u.where(F.col("_is_ev") == 1).select("user", *part, *event_cols(layout),
                                                      (F.col("_cum") - 1).alias("idx"))
-    req_end = u.where(F.col("_is_ev") == 0).select("user", F.col("_rid").alias("req_id"),
+    req_end = u.where(F.col("_is_ev") == 0).select("user", *part, F.col("_rid").alias("req_id"),
                                                   F.col("_t").alias("req_time"),
                                                   F.col("_cum").cast("long").alias("_seq_end"))
     return events_idx, req_end
@@ -231,29 +232,46 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
     return out.select(*[f.name for f in S.samples_schema(layout).fields])
 
 
-def lean_samples(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame, kind: str,
-                 window_start: dt.date, window_end: dt.date) -> DataFrame:
-    """Samples of one set (pretrain, or one window) from a stream and the set's requests."""
+SET = "_set"
+
+
+def by_set(values: list):
+    """A set's value as a column over ``_set`` (a literal when there is one set)."""
+    if len(values) == 1:
+        return values[0]
+    c = F.lit(None)
+    for i, v in enumerate(values):
+        c = F.when(F.col(SET) == i, F.lit(v)).otherwise(c)
+    return c
+
+
+def lean_sets(cfg: Config, layout: Layout, stream: DataFrame, requests: DataFrame, sets: list[tuple]) -> DataFrame:
+    """Samples of several sets at once from their streams and requests, both keyed by
+    ``_set`` (an index into ``sets`` of (kind, window_start, window_end)): every step is
+    per (user, _set), so one Spark plan serves them all and one set is the same code."""
     L = cfg.max_seq_len
-    events_idx, req_end = index_stream(cfg, layout, events, requests)
+    part = (SET,)
+    events_idx, req_end = index_stream(cfg, layout, stream, requests, part)
     # pointers and chunks on narrow rows (keys and sizes); the wide columns join back once
-    reqs = requests.select("user", "req_id", "req_time", "num_imps").join(
-        req_end, on=["user", "req_id", "req_time"], how="inner")
+    reqs = requests.select("user", *part, "req_id", "req_time", "num_imps").join(
+        req_end, on=["user", *part, "req_id", "req_time"], how="inner")
     reqs = (reqs.withColumn("_e", F.col("_seq_end"))
                 .withColumn("_b", F.greatest(F.lit(0).cast("long"), F.col("_e") - F.lit(L)))
                 .withColumn("_len", F.col("_e") - F.col("_b"))
                 .withColumn("_c", F.col("num_imps").cast("long")))
-    reqs = assign_chunks(cfg, reqs)
-    wc = Window.partitionBy("user", "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    reqs = assign_chunks(cfg, reqs, part)
+    wc = Window.partitionBy("user", *part, "chunk").rowsBetween(Window.unboundedPreceding,
+                                                                Window.unboundedFollowing)
     reqs = (reqs.withColumn("lo", F.min(F.when(F.col("_len") > 0, F.col("_b"))).over(wc))
                 .withColumn("hi", F.max(F.when(F.col("_len") > 0, F.col("_e"))).over(wc))
                 .withColumn("lo", F.coalesce(F.col("lo"), F.lit(0)))
                 .withColumn("hi", F.coalesce(F.col("hi"), F.lit(0)))
                 .withColumn("_b", F.when(F.col("_len") > 0, F.col("_b")).otherwise(F.col("lo")))
                 .withColumn("_e", F.when(F.col("_len") > 0, F.col("_e")).otherwise(F.col("lo"))))
-    reqs = keep(reqs.select("user", "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e"))
-    ranges = reqs.select("user", "chunk", "lo", "hi").distinct()
-    ev = route_events(cfg, events_idx, ranges)
-    wide = requests.join(reqs, on=["user", "req_id", "req_time"], how="inner")
+    reqs = keep(reqs.select("user", *part, "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e"))
+    ranges = reqs.select("user", *part, "chunk", "lo", "hi").distinct()
+    ev = route_events(cfg, events_idx, ranges, part)
+    wide = requests.join(reqs, on=["user", *part, "req_id", "req_time"], how="inner")
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
-    return sample_rows(cfg, layout, ev, wide, kind, window_start, window_end, seq_map)
+    kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
+    return sample_rows(cfg, layout, ev, wide, kind, ws, we, seq_map, part)

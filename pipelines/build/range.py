@@ -1,13 +1,13 @@
-"""`userwise build`: the whole chain over a date range, in a handful of Spark jobs.
+"""`userwise build`: the whole chain over a date range, in a fixed number of Spark jobs.
 
-Cost grows with the data, not with the number of days:
+Cost grows with the data, not with the number of days or windows:
 1. requests, events and quarantine for every day before as-of: one job;
-2. pretrain samples (requests before T - M days): one job;
-3. the history seeded as of T - M - 1: one job;
-4. only what depends on the previous day runs day by day: for each of the
-   last M days the history MERGE, and every N days that window's samples.
-The daily jobs (pipelines.daily) are the same functions, so a range run and
-the daily jobs run one by one give the same tables.
+2. the pretrain samples and every window's, from one plan, in one commit
+   (:func:`daily.set_samples`: a lean window's stream is the newest H events
+   before its start plus its own events, derived for all windows at once);
+3. the history as of the day before as-of, derived from the events: one job.
+No step runs per day or per window. The daily jobs (pipelines.build.daily) use
+the same functions, so a range run and the daily jobs give the same tables.
 """
 
 from __future__ import annotations
@@ -18,15 +18,7 @@ import os
 
 from userwise.pipelines import config as C
 from userwise.pipelines.build import build_record
-from userwise.pipelines.build.daily import (
-    as_date,
-    fat_range_samples,
-    ingest_range,
-    log,
-    log_set,
-    pretrain_samples,
-    window_samples,
-)
+from userwise.pipelines.build.daily import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.build.history import History
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io
@@ -72,25 +64,12 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     retention = max(pretrain_days, window_days) + 7
     build_record.save(output, cfg, layout, retention_days=retention, as_of=T.isoformat(),
                    pretrain_days=pretrain_days, window_days=window_days)
-    # Fat rows: every set's stream is its own snapshots, so all sets come from one plan.
-    # Lean rows: a window's stream starts from the history as of its start (day by day).
-    sets = fat_range_samples(spark, cfg, layout, output, boundary, wins) if layout.fat else \
-        [pretrain_samples(spark, cfg, layout, output, boundary)]
-    hist = History(spark, cfg, layout, output)
-    hist.seed(boundary - dt.timedelta(days=1), retention_days=retention)
-    ends = {we: ws for ws, we in wins}
-    day = boundary
-    while day < T:
-        hist.update(day, retention_days=retention)
-        nxt = day + dt.timedelta(days=1)
-        if nxt in ends and not layout.fat:
-            sets.append(window_samples(spark, cfg, layout, output, ends[nxt], nxt))
-        day = nxt
-    if layout.fat:
-        for out, (ws, _) in zip(sets[1:], wins):
-            out["history_version"] = hist.version_before(ws)  # what window_samples would name
-        for out, ws in zip(sets, [None] + [ws for ws, _ in wins]):
-            log_set(out, ws)
+    plan = [("pretrain", None, boundary)] + [("incremental", ws, we) for ws, we in wins]
+    sets = set_samples(spark, cfg, layout, output, plan)
+    for out, (_, ws, _) in zip(sets, plan):
+        log_set(out, ws)
+    # the history as of the end of the day before as-of (what the daily jobs would have left)
+    History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention, since=dt.date(1970, 1, 1))
     return report(spark, cfg, layout, input_path, output, ing.counts, sets)
 
 
