@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device on this machine; nothing to measure (run it on a GPU machine)")
         return 0
-    from tests.shardgen import write_shard_set
     from userwise.pipelines.errors import ShardError
+    from userwise.pipelines.tools.shardgen import write_shard_set
 
     res = {"device": torch.cuda.get_device_name(0)}
     t0 = time.perf_counter()

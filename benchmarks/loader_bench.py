@@ -55,11 +55,13 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
+from userwise.pipelines.shards import manifest as mf  # noqa: E402
+from userwise.pipelines.tools.shardgen import write_shard_set  # noqa: E402
 
 
 def ceiling(root: str, columns=None) -> dict:
     """pyarrow reading every row group of the node's shards into memory (nothing else)."""
-    man = json.load(open(os.path.join(root, "manifest.json")))
+    man = mf.load(root)
     c0 = cpu_now()
     t = time.perf_counter()
     rows = events = 0
@@ -282,7 +284,7 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-# Sample-size profiles (tests/shardgen.make_samples): events per sample follow a Pareto law
+# Sample-size profiles (pipelines/tools/shardgen.make_samples): events per sample follow a Pareto law
 # capped at max_events; a request sees at most max_seq_len of them.
 PROFILES = {
     # user-wise samples of a long-sequence model (the product's purpose): ~10^2-10^3 events each
@@ -296,9 +298,7 @@ SAMPLES = {"long": 32000, "short": 40000}  # per profile by default: about 63 an
 def shard_set(prof: str, root: str, n: int | None = None, row_group_rows: int = 2048) -> None:
     """The profile's shard set of ``n`` samples (default :data:`SAMPLES`) under ``root``, made
     unless one is there already (benchmarks reuse it with ``--shards``)."""
-    from tests.shardgen import write_shard_set
-
-    if not os.path.exists(os.path.join(root, "manifest.json")):
+    if not os.path.exists(os.path.join(root, mf.MANIFEST)):
         write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=row_group_rows,
                         sets=(("incremental", "2026-01-04", "2026-01-05", n or SAMPLES[prof]),), **PROFILES[prof])
 
@@ -414,7 +414,7 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
         if k >= npw:
             break
     pq.write_table(pa.concat_tables(parts), pw)
-    man = json.load(open(os.path.join(root, "manifest.json")))
+    man = mf.load(root)
     for _ in range(2):  # warm the page cache for everyone
         ceiling(root)
     samples = sum(s["rows"] for s in man["shards"])

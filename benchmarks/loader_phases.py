@@ -20,7 +20,6 @@ with both sides bound by the same cores).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,12 +32,13 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
+from userwise.pipelines.shards import manifest as mf  # noqa: E402
 
 PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
 
 
 def ceiling_cpu(root: str) -> float:
-    man = json.load(open(os.path.join(root, "manifest.json")))
+    man = mf.load(root)
     t = time.process_time()
     for s in man["shards"]:
         pf = pq.ParquetFile(os.path.join(root, s["path"]))

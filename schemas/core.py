@@ -109,10 +109,20 @@ class TableSchema:
         return schema_fingerprint(self.to_arrow())
 
 
+def schema_list(schema: pa.Schema) -> list:
+    """The schema as ``[[name, type, nullable], ...]`` (the shard manifest's ``schema``)."""
+    return [[f.name, str(f.type), f.nullable] for f in schema]
+
+
+def list_fingerprint(desc: list) -> str:
+    """The fingerprint of a schema list (:func:`schema_list`): sha256/16 of its JSON."""
+    desc = [[n, t, bool(nl)] for n, t, nl in desc]
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
 def schema_fingerprint(schema: pa.Schema) -> str:
     """Hash of column names, types and nullability: equal iff readers see the same layout."""
-    desc = [[f.name, str(f.type), f.nullable] for f in schema]
-    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+    return list_fingerprint(schema_list(schema))
 
 
 def arrow_to_spark(t: pa.DataType):

@@ -2,7 +2,7 @@
 
 It holds the config, the input's Arrow schema and the layout's roles, so
 daily jobs, ``expand`` and ``preshard`` resolve the same layout without
-re-reading the input.
+re-reading the input. :func:`load` is its one reader.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import InputError
 
 META_DIR = "_userwise"
 META_FILE = "build.json"
@@ -48,17 +48,37 @@ def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
 
 
 def load(output: str) -> tuple[C.Config, S.Layout, dict]:
+    """(config, layout, the whole record) of the build folder ``output``: the one reader of
+    ``build.json`` (daily jobs, ``expand`` and ``preshard`` use it).
+
+    Raises InputError (one line: what to do) when the folder is not a build folder, the
+    record is damaged, or another format version wrote it."""
     p = path(output)
     if not os.path.exists(p):
-        raise UserwiseError(f"{output} is not a userwise build folder (no {META_DIR}/{META_FILE}); "
-                            "run `userwise build` or `userwise requests` first")
-    with open(p) as f:
-        meta = json.load(f)
-    S.check_version(meta.get("format_version"), p)
+        raise InputError(f"{output} is not a userwise build folder (no {META_DIR}/{META_FILE}); "
+                         "run `userwise build` or `userwise requests` first")
+    try:
+        with open(p) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{p}: not valid JSON ({e}); rebuild the folder with `userwise build`") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{p}: not a build record (a JSON object); rebuild the folder with `userwise build`")
+    try:
+        S.check_version(meta.get("format_version"), p)
+    except S.SchemaError as e:
+        raise InputError(str(e)) from None
     if int(meta["format_version"]) < S.FORMAT_VERSION:  # its tables have other columns than this code writes
-        raise S.SchemaError(f"{p}: written by userwise format {meta['format_version']} (the request key and time "
-                            f"stored twice); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
-                            "with `userwise build`")
+        raise InputError(f"{p}: written by userwise format {meta['format_version']} (the request key and time "
+                         f"stored twice); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
+                         "with `userwise build`")
+    missing = [k for k in ("config", "input_schema", "roles") if k not in meta]
+    if missing:
+        raise InputError(f"{p}: lacks {missing}; rebuild the folder with `userwise build`")
     cfg = C.parse(meta["config"], source=p)
-    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(meta["input_schema"])))
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(meta["input_schema"])))
+    except (ValueError, TypeError, pa.ArrowException) as e:
+        raise InputError(f"{p}: input_schema is not a serialized Arrow schema ({e}); rebuild the folder "
+                         "with `userwise build`") from None
     return cfg, cfg.layout(schema), meta

@@ -3,13 +3,12 @@
 Everything here runs once, in the trainer's main process, before any worker
 starts: a missing file, a checksum mismatch or a schema that differs from the
 manifest is a :class:`ShardError` naming the file, never a crash mid-epoch.
+The manifest is read and the files are checked by the shard format's one
+module, :mod:`userwise.pipelines.shards.manifest`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -17,41 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from userwise.pipelines.errors import ShardError
-from userwise.schemas import FORMAT_VERSION, schema_fingerprint
+from userwise.pipelines.shards import manifest as mf
 
-MANIFEST = "manifest.json"
-VERIFY = ("checksum", "size", "none")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 22), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
-def load_manifest(root: str) -> dict:
-    """Read and validate manifest.json (the shared module's ``load`` when present)."""
-    if importlib.util.find_spec("userwise.pipelines.shards.manifest") is not None:
-        from userwise.pipelines.shards import manifest as M
-
-        if hasattr(M, "load"):
-            return M.load(root)
-    path = os.path.join(root, MANIFEST)
-    try:
-        with open(path) as f:
-            man = json.load(f)
-    except FileNotFoundError:
-        raise ShardError(f"{path}: missing; the shard set is incomplete or not staged (run `userwise stage`)") from None
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}: not valid JSON ({e}); re-run preshard/stage") from None
-    for k in ("format_version", "nodes", "ranks_per_node", "schema_fingerprint", "sets", "shards"):
-        if k not in man:
-            raise ShardError(f"{path}: key {k!r} missing; re-run preshard")
-    if int(man["format_version"]) > FORMAT_VERSION:
-        raise ShardError(f"{path}: format {man['format_version']} is newer than this loader ({FORMAT_VERSION}); upgrade userwise")
-    return man
+VERIFY = mf.VERIFY
 
 
 @dataclass
@@ -109,50 +76,30 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
     if verify not in VERIFY:
         raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
     root = os.fspath(root)
-    man = load_manifest(root)
+    man = mf.load(root)
     if node is None:
         node = man.get("staged_node")
         if node is None:
             if int(man["nodes"]) != 1:
-                raise ShardError(f"{os.path.join(root, MANIFEST)}: {man['nodes']} nodes and no staged_node; pass node=")
+                raise ShardError(f"{os.path.join(root, mf.MANIFEST)}: {man['nodes']} nodes and no staged_node; pass node=")
             node = 0
     node = int(node)
     set_ids = [s["id"] for s in man["sets"]]
     order = {sid: i for i, sid in enumerate(set_ids)}
-    shards = [s for s in man["shards"] if int(s["node"]) == node]
-    for s in shards:
-        if s.get("set") not in order:
-            raise ShardError(f"{os.path.join(root, s['path'])}: its set {s.get('set')!r} is not listed in the manifest's sets")
-    shards.sort(key=lambda s: (order[s["set"]], s["path"]))
+    shards = mf.node_shards(man, node)
     if not shards:
-        raise ShardError(f"{os.path.join(root, MANIFEST)}: no shards for node {node}")
-    fp = man["schema_fingerprint"]
+        raise ShardError(f"{os.path.join(root, mf.MANIFEST)}: no shards for node {node}")
     rg_shard, rg_index, rg_rows, rg_set, rg_rank, rg_bytes = [], [], [], [], [], []
     schema = None
     for si, s in enumerate(shards):
         path = os.path.join(root, s["path"])
-        if not os.path.exists(path):
-            raise ShardError(f"{path}: missing (listed in the manifest); re-run `userwise stage --node {node}`")
-        if verify != "none":
-            size = os.path.getsize(path)
-            if size != int(s["bytes"]):
-                raise ShardError(f"{path}: {size} bytes, the manifest says {s['bytes']}; re-stage this file")
-            if verify == "checksum" and _sha256(path) != s["sha256"]:
-                raise ShardError(f"{path}: checksum mismatch with the manifest; the file is corrupt, re-stage it")
+        mf.check_files(root, s, verify=verify)
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:  # noqa: BLE001 (any footer error is a bad shard)
             raise ShardError(f"{path}: not a readable Parquet file ({e}); re-stage it") from None
-        got = schema_fingerprint(pf.schema_arrow)
-        if got != fp:
-            names = {f.name: str(f.type) for f in pf.schema_arrow}
-            want = {n: t for n, t, _ in man.get("schema", [])}
-            diff = sorted(set(names.items()) ^ set(want.items()))[:4]
-            raise ShardError(f"{path}: schema differs from the manifest (fingerprint {got} != {fp}; e.g. {diff}); "
-                             "re-run preshard with this schema or use a matching loader")
+        mf.check_footer(pf, man, path, rows=s["rows"])
         md = pf.metadata
-        if md.num_rows != int(s["rows"]):
-            raise ShardError(f"{path}: {md.num_rows} rows, the manifest says {s['rows']}; re-stage this file")
         schema = pf.schema_arrow
         for i in range(md.num_row_groups):
             rg_shard.append(si)

@@ -1,5 +1,10 @@
 """The shard set manifest: read, validate, write (atomically, last), verify.
 
+The one implementation of the shard set contract: preshard and the synthetic
+shard sets (``pipelines/tools/shardgen.py``) write through it, stage, publish
+and the loader read and verify through it, and :func:`file_sha256` is the one
+checksum of its files.
+
 A shard set is ``S/node=<k>/shard-<NNNNN>.parquet`` (+ ``.gds``) and
 ``S/manifest.json``; without the manifest the set is incomplete and every
 reader here refuses it. ``S`` is a local path or any URL that pyarrow.fs
@@ -9,7 +14,7 @@ use this module.
 Example::
 
     m = manifest.load("/nvme/shards")          # raises ShardError when missing or newer
-    manifest.verify("/nvme/shards", node=0)    # sizes, checksums, schema
+    manifest.verify("/nvme/shards", node=0)    # sizes, checksums, schema, rows
     [s["path"] for s in manifest.node_shards(m, 0)]
 """
 
@@ -24,14 +29,16 @@ import pyarrow.fs as pafs
 
 from userwise.pipelines.errors import ShardError
 from userwise.schemas import MANIFEST_KEYS, MANIFEST_SHARD
-from userwise.schemas.core import SchemaError, check_version, schema_fingerprint
+from userwise.schemas.core import SchemaError, check_version, list_fingerprint, schema_fingerprint
 
 MANIFEST = "manifest.json"
-# Every documented key but the writer settings added later (compression, dictionary and
-# row_group_rows are informational: a manifest without them still loads).
+# Every documented key but the writer settings (compression, dictionary and row_group_rows
+# are informational: a manifest without them still loads).
 INFORMATIONAL = ("compression", "dictionary", "row_group_rows")
 REQUIRED = tuple(k for k in MANIFEST_KEYS if k not in INFORMATIONAL)
 CHUNK = 4 << 20
+# How much of a shard's files a reader checks: size and sha256, size only, or that they exist.
+VERIFY = ("checksum", "size", "none")
 
 
 def resolve(root: str, fs=None) -> tuple[pafs.FileSystem, str]:
@@ -66,17 +73,28 @@ def join(base: str, rel: str) -> str:
     return posixpath.join(base, rel) if "/" in base else os.path.join(base, rel)
 
 
+def hash_stream(src, h=None) -> tuple:
+    """Feed a binary stream to its end into ``h`` (default a new sha256); return (h, bytes read).
+
+    ``stage`` hashes a partial copy with it before it continues the copy."""
+    h = hashlib.sha256() if h is None else h
+    n = 0
+    while b := src.read(CHUNK):
+        h.update(b)
+        n += len(b)
+    return h, n
+
+
 def file_sha256(path: str, fs=None) -> str:
-    """sha256 of a file's bytes (hex), streamed."""
+    """sha256 of a file's bytes (hex), streamed: the shard format's one checksum.
+
+    ``path``: a local path, or a path inside ``fs`` (a pyarrow or fsspec filesystem)."""
+    if fs is None and "://" not in path:
+        with open(path, "rb") as src:
+            return hash_stream(src)[0].hexdigest()
     f, p = resolve(path, fs)
-    h = hashlib.sha256()
     with f.open_input_stream(p) as src:
-        while True:
-            b = src.read(CHUNK)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+        return hash_stream(src)[0].hexdigest()
 
 
 def _exists(f: pafs.FileSystem, p: str) -> bool:
@@ -113,21 +131,20 @@ def validate(m: dict, where: str = MANIFEST) -> dict:
         raise ShardError(f"{where}: schema_fingerprint {m['schema_fingerprint']} does not match its "
                          f"schema ({fp}); the manifest was edited or damaged")
     keys = set(MANIFEST_SHARD.names) | {"set"}
+    sets = {s.get("id") for s in m["sets"]}
     for i, s in enumerate(m["shards"]):
         lack = keys - set(s)
         if lack:
             raise ShardError(f"{where}: shards[{i}] lacks {sorted(lack)}")
+        if s["set"] not in sets:
+            raise ShardError(f"{where}: shards[{i}] ({s['path']}) belongs to set {s['set']!r}, which is not "
+                             "listed in the manifest's sets; the manifest was edited or damaged")
     return m
 
 
-def schema_fingerprint_of(schema_list) -> str:
+def schema_fingerprint_of(schema: list) -> str:
     """The fingerprint of a manifest's ``schema`` list ([[name, type, nullable], ...])."""
-    desc = [[n, t, bool(nl)] for n, t, nl in schema_list]
-    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
-
-
-def schema_list(schema) -> list:
-    return [[f.name, str(f.type), f.nullable] for f in schema]
+    return list_fingerprint(schema)
 
 
 def write(root: str, manifest: dict, fs=None) -> str:
@@ -149,7 +166,7 @@ def node_shards(manifest: dict, node: int) -> list[dict]:
         raise ShardError(f"node {node} is not in this shard set (nodes 0..{int(manifest['nodes']) - 1})")
     order = {s["id"]: i for i, s in enumerate(manifest["sets"])}
     out = [s for s in manifest["shards"] if int(s["node"]) == node]
-    return sorted(out, key=lambda s: (order.get(s["set"], len(order)), s["path"]))
+    return sorted(out, key=lambda s: (order[s["set"]], s["path"]))
 
 
 def shard_files(shard: dict) -> list[tuple[str, int, str]]:
@@ -160,28 +177,70 @@ def shard_files(shard: dict) -> list[tuple[str, int, str]]:
     return out
 
 
-def check_parquet(path: str, manifest: dict, fs=None) -> None:
-    """The file's Arrow schema has the manifest's fingerprint and format version."""
+def check_files(root: str, shard: dict, *, verify: str = "checksum", fs=None) -> tuple[int, int]:
+    """The files of one manifest shard exist under ``root`` with their size and checksum.
+
+    ``verify``: ``checksum`` (size and sha256), ``size``, or ``none`` (only that they exist).
+    Returns (files, bytes); raises ShardError naming the first bad file."""
+    if verify not in VERIFY:
+        raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+    f, base = resolve(root, fs)
+    n = total = 0
+    for rel, size, sha in shard_files(shard):
+        p = join(base, rel)
+        info = f.get_file_info(p)
+        if info.type != pafs.FileType.File:
+            raise ShardError(f"{p}: missing (listed in the manifest); copy the shard set again "
+                             "(`userwise stage`) or rerun `userwise preshard`")
+        if verify != "none" and info.size != size:
+            raise ShardError(f"{p}: {info.size} bytes, the manifest says {size}; the file is damaged: copy it again")
+        if verify == "checksum":
+            got = file_sha256(p, f)
+            if got != sha:
+                raise ShardError(f"{p}: checksum mismatch (sha256 {got[:12]}.., manifest "
+                                 f"{sha[:12]}..): the file is corrupt; copy it again")
+        n += 1
+        total += size
+    return n, total
+
+
+def check_footer(pf, manifest: dict, path: str, rows: int | None = None) -> None:
+    """A Parquet shard's footer (a ``pq.ParquetFile``) agrees with the manifest: the schema
+    fingerprint, the format version and (given ``rows``) the row count."""
+    sch = pf.schema_arrow
+    fp = schema_fingerprint(sch)
+    if fp != manifest["schema_fingerprint"]:
+        have = {x.name: str(x.type) for x in sch}
+        want = {n: t for n, t, _ in manifest.get("schema", [])}
+        diff = sorted(set(have.items()) ^ set(want.items()))[:4]
+        raise ShardError(f"{path}: schema differs from the manifest (schema fingerprint {fp}, the manifest's "
+                         f"{manifest['schema_fingerprint']}; e.g. {diff}): the file is from another shard set; "
+                         "copy the set again or rerun preshard with this schema")
+    v = (sch.metadata or {}).get(b"userwise.format_version")
+    if v is None or int(v) != int(manifest["format_version"]):
+        raise ShardError(f"{path}: format version {v and v.decode()} differs from the manifest's "
+                         f"{manifest['format_version']}")
+    if rows is not None and pf.metadata.num_rows != int(rows):
+        raise ShardError(f"{path}: {pf.metadata.num_rows} rows, the manifest says {rows}; the file is from "
+                         "another shard set: copy it again")
+
+
+def check_parquet(path: str, manifest: dict, fs=None, rows: int | None = None) -> None:
+    """Open a Parquet shard and check its footer against the manifest (:func:`check_footer`)."""
     import pyarrow.parquet as pq
 
     f, p = resolve(path, fs)
     try:
         with f.open_input_file(p) as src:
-            sch = pq.read_schema(src)
+            check_footer(pq.ParquetFile(src), manifest, path, rows)
+    except ShardError:
+        raise
     except Exception as e:  # noqa: BLE001 - a damaged footer
         raise ShardError(f"{path}: not a readable Parquet file ({e})") from None
-    fp = schema_fingerprint(sch)
-    if fp != manifest["schema_fingerprint"]:
-        raise ShardError(f"{path}: schema fingerprint {fp} differs from the manifest's "
-                         f"{manifest['schema_fingerprint']}; the file is from another shard set")
-    v = (sch.metadata or {}).get(b"userwise.format_version")
-    if v is None or int(v) != int(manifest["format_version"]):
-        raise ShardError(f"{path}: format version {v and v.decode()} differs from the manifest's "
-                         f"{manifest['format_version']}")
 
 
 def verify(root: str, node: int | None = None, checksums: bool = True, fs=None) -> dict:
-    """Every listed shard (of ``node``, or all) exists with its size, checksum and schema.
+    """Every listed shard (of ``node``, or all) exists with its size, checksum, schema and rows.
 
     Returns ``{"files": n, "bytes": b}``; raises ShardError naming the first bad file.
     """
@@ -190,19 +249,7 @@ def verify(root: str, node: int | None = None, checksums: bool = True, fs=None) 
     shards = m["shards"] if node is None else node_shards(m, node)
     n = total = 0
     for s in shards:
-        for rel, size, sha in shard_files(s):
-            p = join(base, rel)
-            info = f.get_file_info(p)
-            if info.type != pafs.FileType.File:
-                raise ShardError(f"{p}: listed in the manifest but missing")
-            if info.size != size:
-                raise ShardError(f"{p}: {info.size} bytes, the manifest says {size}")
-            if checksums:
-                got = file_sha256(p, f)
-                if got != sha:
-                    raise ShardError(f"{p}: checksum mismatch (sha256 {got[:12]}.., manifest "
-                                     f"{sha[:12]}..): the file is corrupt; copy it again")
-            n += 1
-            total += size
-        check_parquet(join(base, s["path"]), m, f)
+        k, b = check_files(base, s, verify="checksum" if checksums else "size", fs=f)
+        n, total = n + k, total + b
+        check_parquet(join(base, s["path"]), m, f, rows=s["rows"])
     return {"files": n, "bytes": total}

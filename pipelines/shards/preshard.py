@@ -34,11 +34,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from userwise.pipelines.build import build_record
 from userwise.pipelines.errors import InputError, UserwiseError
 from userwise.pipelines.shards import balance
 from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION, TableSchema
-from userwise.schemas.core import Field, schema_fingerprint
+from userwise.schemas.core import Field, schema_fingerprint, schema_list
 
 KINDS = ("pretrain", "incremental")
 STATS = pa.schema([
@@ -54,7 +55,7 @@ AUX = ("_shard", "_node", "_rank", "_order", "_est")
 # --------------------------------------------------------------------------
 # options
 # --------------------------------------------------------------------------
-# The shard files' Parquet settings besides codec and dictionary (tests/shardgen.py writes the
+# The shard files' Parquet settings besides codec and dictionary (pipelines/tools/shardgen.py writes the
 # benchmarks' and tests' shards with the same ones).
 PARQUET_OPTIONS = {"write_statistics": True, "version": "2.6", "data_page_version": "1.0"}
 DICTIONARY = ("all", "scalars")
@@ -119,18 +120,6 @@ def shard_arrow_schema(columns: list[tuple[str, pa.DataType]], roles: dict) -> p
     elements nullable (as ``schemas.samples_schema``), with the roles metadata."""
     fields = tuple(Field(n, t, False) for n, t in columns)
     return TableSchema("shard", fields, metadata={"roles": roles}).to_arrow()
-
-
-def build_info(build_dir: str) -> dict:
-    p = os.path.join(build_dir, "_userwise", "build.json")
-    if not os.path.exists(p):
-        raise InputError(f"{p}: missing; --samples must be the output folder of `userwise build` "
-                         "(it holds samples/ and _userwise/build.json with the column roles)")
-    with open(p) as f:
-        info = json.load(f)
-    if "roles" not in info:
-        raise InputError(f"{p}: has no 'roles'; rebuild with `userwise build`")
-    return info
 
 
 def set_id(kind: str, window_end) -> str:
@@ -322,7 +311,7 @@ def assemble(*, cfg: dict, sets: list[dict], stats: list[dict], nodes: int, rank
         "nodes": nodes, "ranks_per_node": ranks_per_node, "seed": seed, "layout": cfg["layout"],
         "compression": cfg["compression"], "dictionary": cfg["dictionary"], "row_group_rows": cfg["row_group_rows"],
         "schema_fingerprint": schema_fingerprint(schema),
-        "schema": mf.schema_list(schema),
+        "schema": schema_list(schema),
         "roles": json.loads(schema.metadata[b"userwise.roles"]),
         "source": source,
         "sets": out_sets,
@@ -570,7 +559,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
 
     t0 = time.time()
     build_dir, path = samples_table(samples)
-    info = build_info(build_dir)
+    _, build_layout, record = build_record.load(build_dir)
     version = delta_io.version(spark, path)
     df = delta_io.read(spark, path, version)
     if kind:
@@ -584,7 +573,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     from userwise.schemas import spark_to_arrow
 
     names = [f.name for f in df.schema]
-    schema = shard_arrow_schema([(f.name, spark_to_arrow(f.dataType)) for f in df.schema], info["roles"])
+    schema = shard_arrow_schema([(f.name, spark_to_arrow(f.dataType)) for f in df.schema], build_layout.roles())
     cfg = _writer_cfg(output, schema, compression=compression, layout=layout,
                       row_group_rows=row_group_rows, row_group_mb=row_group_mb, dictionary=dictionary)
     slots = nodes * ranks_per_node
@@ -593,7 +582,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     keys = set_order([(r["kind"], str(r["window_start"]), str(r["window_end"]))
                       for r in df.select("kind", "window_start", "window_end").distinct().collect()])
     if not keys and window:
-        n = window_days or int(info.get("window_days") or 1)
+        n = window_days or int(record.get("window_days") or 1)
         end = dt.date.fromisoformat(window)
         keys = [("incremental", (end - dt.timedelta(days=n)).isoformat(), end.isoformat())]
     if not keys:

@@ -76,14 +76,6 @@ class _Progress:
         return now - self.t0
 
 
-def _sha_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(CHUNK):
-            h.update(b)
-    return h.hexdigest()
-
-
 def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
     if not os.path.exists(os.path.join(dest, mf.MANIFEST)):
         return
@@ -122,7 +114,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
     for rel, size, sha in items:
         final = os.path.join(dest, rel)
         if os.path.isfile(final):
-            if os.path.getsize(final) == size and _sha_file(final) == sha:
+            if os.path.getsize(final) == size and mf.file_sha256(final) == sha:
                 skipped += 1
                 continue
             os.remove(final)
@@ -154,9 +146,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
             h = hashlib.sha256()
             if attempt == 0 and os.path.isfile(part) and os.path.getsize(part) <= size:
                 with open(part, "rb") as f:
-                    while b := f.read(CHUNK):
-                        h.update(b)
-                        offset += len(b)
+                    h, offset = mf.hash_stream(f)
                 if offset:
                     resumed.append(rel)
             src_path = mf.join(src_base, rel)

@@ -1,1 +1,2 @@
-"""Tools beside the data path: synthetic logs (``userwise synth``) and the demo (``make demo``)."""
+"""Tools beside the data path: synthetic logs (``userwise synth``), synthetic user-wise
+samples and shard sets (``shardgen``, for tests and benchmarks) and the demo (``make demo``)."""

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.support.shardgen import write_shard_set
 from userwise.pipelines.cli import main
+from userwise.pipelines.tools.shardgen import write_shard_set
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

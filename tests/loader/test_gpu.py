@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.shardgen import write_shard_set
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
+from userwise.pipelines.tools.shardgen import write_shard_set
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU machines only)")
 

@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.support.shardgen import all_rows, sha256, write_shard_set
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader, expand_batch
+from userwise.pipelines.shards import manifest as mf
+from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_every_sample_exactly_once_equal_batches_per_rank(shardset, world, worke
 
 
 def test_uneven_shards_rank_with_fewer_samples_cuts_smaller_batches(shardset):
-    man = json.load(open(os.path.join(shardset, "manifest.json")))
+    man = mf.load(shardset)
     rows = collections.Counter()
     for s in man["shards"]:
         rows[s["rank"]] += s["rows"]
@@ -78,18 +79,18 @@ def test_more_ranks_than_row_groups_pads_with_empty_batches(tmp_path):
 def test_sets_in_training_order_and_selectable(shardset):
     ds = UserwiseDataset(shardset, batch_size=16, verify="none", world_size=1, rank=0)
     sets = [b.meta["set"] for b in UserwiseLoader(ds)]
-    order = [s["id"] for s in json.load(open(os.path.join(shardset, "manifest.json")))["sets"]]
+    order = [s["id"] for s in mf.load(shardset)["sets"]]
     assert sets == sorted(sets, key=order.index) and set(sets) == set(order)
     inc = UserwiseDataset(shardset, batch_size=16, verify="none", sets=["incremental"], world_size=1, rank=0)
     got = [b for b in UserwiseLoader(inc)]
     assert {b.meta["set"] for b in got} == set(order[1:])
     one = UserwiseDataset(shardset, batch_size=16, verify="none", sets=[order[2]], world_size=1, rank=0)
     n = sum(b.num_samples for b in UserwiseLoader(one))
-    assert n == json.load(open(os.path.join(shardset, "manifest.json")))["sets"][2]["rows"]
+    assert n == mf.load(shardset)["sets"][2]["rows"]
 
 
 def test_holdout_window_and_seeded_user_share_partition_the_samples(shardset):
-    order = [s["id"] for s in json.load(open(os.path.join(shardset, "manifest.json")))["sets"]]
+    order = [s["id"] for s in mf.load(shardset)["sets"]]
     kw = dict(batch_size=16, verify="none", world_size=1, rank=0, eval_sets=[order[-1]], eval_user_share=0.2, eval_seed=7)
     train = [i for b in UserwiseLoader(UserwiseDataset(shardset, split="train", **kw)) for i in b.numpy("sample_id")]
     evalb = list(UserwiseLoader(UserwiseDataset(shardset, split="eval", **kw)))
@@ -250,7 +251,7 @@ def expand_rows_python(row: dict, roles: dict) -> list[dict]:
 
 
 def test_expand_batch_matches_plain_python_expansion(shardset):
-    man = json.load(open(os.path.join(shardset, "manifest.json")))
+    man = mf.load(shardset)
     rows = {r["sample_id"]: r for r in all_rows(shardset).to_pylist()}
     ds = UserwiseDataset(shardset, batch_size=24, verify="none", world_size=1, rank=0)
     n = 0
@@ -336,7 +337,7 @@ def test_checksum_mismatch_names_the_file(shardset, tmp_path):
 
 def test_schema_differing_from_manifest_names_the_file(shardset, tmp_path):
     root = _copy(shardset, tmp_path / "c")
-    man = json.load(open(os.path.join(root, "manifest.json")))
+    man = mf.load(root)
     rel = "node=0/shard-00002.parquet"
     p = os.path.join(root, rel)
     t = pq.read_table(p)
@@ -344,17 +345,17 @@ def test_schema_differing_from_manifest_names_the_file(shardset, tmp_path):
     pq.write_table(t, p, row_group_size=8)
     for s in man["shards"]:
         if s["path"] == rel:  # size and checksum agree: only the schema is wrong
-            s["bytes"], s["sha256"] = os.path.getsize(p), sha256(p)
-    json.dump(man, open(os.path.join(root, "manifest.json"), "w"))
+            s["bytes"], s["sha256"] = os.path.getsize(p), mf.file_sha256(p)
+    mf.write(root, man)
     with pytest.raises(ShardError, match=r"shard-00002\.parquet: schema differs from the manifest"):
         UserwiseDataset(root)
 
 
 def test_newer_format_refused(shardset, tmp_path):
     root = _copy(shardset, tmp_path / "d")
-    man = json.load(open(os.path.join(root, "manifest.json")))
+    man = mf.load(root)
     man["format_version"] = 99
-    json.dump(man, open(os.path.join(root, "manifest.json"), "w"))
+    json.dump(man, open(os.path.join(root, "manifest.json"), "w"))  # by hand: mf.write refuses it
     with pytest.raises(ShardError, match="newer"):
         UserwiseDataset(root)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.shardgen import write_shard_set
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+from userwise.pipelines.tools.shardgen import write_shard_set
 
 torchrec = pytest.importorskip("torchrec")  # installed (torchrec 1.8 + fbgemm-gpu-cpu 1.8) per the lock files
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.shardgen import write_shard_set
 from userwise.pipelines.loader import segcopy
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import UserwiseLoader
+from userwise.pipelines.tools.shardgen import write_shard_set
 
 
 @pytest.fixture(scope="module")

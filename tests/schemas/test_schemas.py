@@ -6,6 +6,7 @@ import pytest
 from tests.support.common import LEAN_CFG, fat_cfg
 from userwise import schemas as S
 from userwise.pipelines import config as C
+from userwise.pipelines.errors import InputError
 
 
 def layouts():
@@ -129,8 +130,29 @@ def test_a_build_folder_of_an_older_format_is_refused_with_a_way_out(tmp_path):
     m = _json.load(open(p))
     m["format_version"] = 1
     _json.dump(m, open(p, "w"))
-    with pytest.raises(S.SchemaError, match=r"format 1 .*rebuild the folder with `userwise build`"):
+    with pytest.raises(InputError, match=r"format 1 .*rebuild the folder with `userwise build`"):
         build_record.load(str(tmp_path))
+
+
+def test_build_record_is_read_in_one_place_with_errors_a_user_can_act_on(tmp_path):
+    """``build_record.load`` is the one reader of build.json (daily, expand, preshard): every
+    bad record is an InputError (one line on the CLI), never a traceback."""
+    from userwise.pipelines.build import build_record
+
+    with pytest.raises(InputError, match="not a userwise build folder"):
+        build_record.load(str(tmp_path))
+    lean, _ = layouts()
+    build_record.save(str(tmp_path), C.parse(LEAN_CFG), lean)
+    p = build_record.path(str(tmp_path))
+    good = json.load(open(p))
+    bad = [("{not json", "not valid JSON"),
+           (json.dumps({**good, "format_version": S.FORMAT_VERSION + 1}), "newer"),
+           (json.dumps({k: v for k, v in good.items() if k != "roles"}), r"lacks \['roles'\]"),
+           (json.dumps({**good, "input_schema": "???"}), "not a serialized Arrow schema")]
+    for text, match in bad:
+        open(p, "w").write(text)
+        with pytest.raises(InputError, match=match):
+            build_record.load(str(tmp_path))
 
 
 def test_duplicate_columns_rejected():

@@ -12,11 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.shardgen import write_shard_set
 from userwise.pipelines.errors import ShardError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.loader import dataset as dsmod
 from userwise.pipelines.shards import gds
+from userwise.pipelines.shards import manifest as mf
+from userwise.pipelines.tools.shardgen import write_shard_set
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def gdsset(tmp_path_factory):
 
 
 def test_side_file_layout_and_round_trip(gdsset):
-    man = json.load(open(os.path.join(gdsset, "manifest.json")))
+    man = mf.load(gdsset)
     s = man["shards"][0]
     path = os.path.join(gdsset, s["gds_path"])
     raw = open(path, "rb").read()

@@ -12,9 +12,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.samplegen import layout, make_samples
 from userwise import schemas
 from userwise.pipelines.shards import preshard
+from userwise.pipelines.tools.shardgen import build_samples, layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PETA_PY = os.path.join(ROOT, ".venv-petastorm", "bin", "python")
@@ -24,7 +24,7 @@ def staged_node(tmp_path, *, seed, users, bot_chunks, nodes):
     """Generated samples preshard into ``nodes`` nodes: (the samples, node 0's folder)."""
     if not os.path.exists(PETA_PY):
         pytest.fail(f"{PETA_PY} missing: run `make setup` (it builds the petastorm environment)")
-    table = make_samples(seed=seed, users=users, bot_chunks=bot_chunks, windows=1)
+    table = build_samples(seed=seed, users=users, bot_chunks=bot_chunks, windows=1)
     root = str(tmp_path / "S")
     preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=nodes,
                             ranks_per_node=1, seed=1, row_group_rows=8)

@@ -1,12 +1,13 @@
 """`userwise preshard`: balanced, deterministic, reconciled shard sets with a manifest.
 
-The Spark job runs twice on a tiny skewed samples table (samplegen: heavy users
-and a bot with many chunks): once in full, once through the CLI for one window
+The Spark job runs twice on a tiny skewed samples table (``shardgen.build_samples``:
+heavy users and a bot with many chunks): once in full, once through the CLI for one window
 with other shuffle settings. Its files must equal, byte for byte, those of the
 Spark-free twin ``preshard_arrow`` (same assignment rules, same writer).
 """
 
 import collections
+import datetime as dt
 import json
 import os
 
@@ -17,16 +18,31 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.samplegen import BOT, layout, make_samples, write_build
+from tests.support.common import LEAN_CFG
 from userwise import schemas
-from userwise.pipelines import cli
+from userwise.pipelines import cli, config
+from userwise.pipelines.build import build_record
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.shards import balance, preshard
 from userwise.pipelines.shards import manifest as mf
+from userwise.pipelines.tools.shardgen import BOT, BUILD_START, build_samples, layout, write_shard_set
 
 pytestmark = pytest.mark.spark
 NODES, RANKS, SEED = 2, 2, 7
 KW = dict(nodes=NODES, ranks_per_node=RANKS, seed=SEED, row_group_rows=8)  # one shard per rank: few tasks
+
+
+def write_build(spark, build_dir: str, **kw) -> pa.Table:
+    """``build_samples(**kw)`` as a build folder: D/samples (Delta) and D/_userwise/build.json."""
+    table = build_samples(**kw)
+    cfg = config.parse(LEAN_CFG)
+    lay = cfg.layout(schemas.SYNTH_IMPRESSIONS.to_arrow())
+    sch = schemas.samples_schema(lay)
+    df = spark.createDataFrame(table.to_pandas(), schema=sch.to_spark())
+    (df.repartition(3).write.format("delta").mode("overwrite").partitionBy(*sch.partition_by)
+     .save(os.path.join(build_dir, "samples")))
+    build_record.save(build_dir, cfg, lay, as_of=str(BUILD_START + dt.timedelta(days=3)))
+    return table
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +288,7 @@ def test_incomplete_set_refused(built, tmp_path):
 
 
 def test_gds_layout_side_files(tmp_path):
-    table = make_samples(seed=5, users=10, bot_chunks=4, windows=1)
+    table = build_samples(seed=5, users=10, bot_chunks=4, windows=1)
     m = preshard.preshard_arrow(table, str(tmp_path / "G"), schema=schemas.shard_schema(layout()).to_arrow(),
                                 nodes=1, ranks_per_node=2, seed=0, layout="gds", row_group_rows=4)
     from userwise.pipelines.shards import gds
@@ -293,16 +309,14 @@ def test_output_with_foreign_files_refused(tmp_path):
     (tmp_path / "O").mkdir()
     (tmp_path / "O" / "notes.txt").write_text("mine")
     with pytest.raises(UserwiseError, match="not a shard set"):
-        preshard.preshard_arrow(make_samples(users=3, bot_chunks=1, windows=1), str(tmp_path / "O"),
+        preshard.preshard_arrow(build_samples(users=3, bot_chunks=1, windows=1), str(tmp_path / "O"),
                                 schema=schemas.shard_schema(layout()).to_arrow(), nodes=1, ranks_per_node=1)
 
 
 def test_benchmark_shards_are_written_like_preshards(built, tmp_path):
-    """The loader benchmark's shards (tests/shardgen.py) carry preshard's Parquet settings:
+    """The loader benchmark's shards (pipelines/tools/shardgen.py) carry preshard's Parquet settings:
     the same codec, dictionary pages, statistics and format per column, so the benchmark
     measures the decode that preshard's shards cost."""
-    from tests.support.shardgen import write_shard_set
-
     d, table, out, m = built
 
     def settings(path):

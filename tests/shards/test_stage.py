@@ -10,18 +10,18 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.samplegen import layout, make_samples
 from userwise import schemas
 from userwise.pipelines.errors import ShardError
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards import preshard, stage
+from userwise.pipelines.tools.shardgen import build_samples, layout
 
 PY = sys.executable
 
 
 @pytest.fixture(scope="module")
 def table():
-    return make_samples(seed=1)
+    return build_samples(seed=1)
 
 
 @pytest.fixture
@@ -135,6 +135,7 @@ def test_missing_manifest_refused(shards, tmp_path):
 
 
 def _edit_manifest(root, fn):
+    # by hand, not through mf.write: the edits make manifests the module refuses
     p = os.path.join(root, "manifest.json")
     m = json.load(open(p))
     fn(m)

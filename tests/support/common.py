@@ -1,21 +1,22 @@
-"""Tiny hand-written configs shared by tests."""
+"""The one test config: the synthetic log's columns (``userwise synth``'s config) with
+the tests' sizes. ``LEAN_CFG`` and ``fat_cfg()`` for unit tests, :func:`config` for
+generators that need other sizes (the edge-case logs)."""
 
-import json
-
-LEAN_CFG = {
-    "columns": {
-        "user": "user_id", "request": "request_id", "request_time": "request_ts",
-        "action_time": "action_ts", "item": "item_id", "position": "position",
-        "labels": ["click", "like"], "item_features": ["category", "author"],
-        "context_features": ["device", "hour"], "user_features": ["age_bucket", "country"],
-    },
-    "time_unit": "ms", "max_seq_len": 20, "history_length": 40, "max_sample_cost": 200,
-}
+from userwise.pipelines.tools import synth
 
 
-def fat_cfg():
-    c = json.loads(json.dumps(LEAN_CFG))
-    c["columns"]["sequence"] = {"item": "hist_item_id", "time": "hist_ts", "category": "hist_category"}
+def config(max_seq_len: int = 20, *, max_sample_cost: int = 200, fat: bool = False, actions: bool = False,
+           **over) -> dict:
+    """A fresh config dict (lean, fat, or lean with ``columns.actions``); ``over`` sets top-level keys."""
+    c = synth.make_config(max_seq_len, 0, fat=fat, actions=actions)
+    del c["seed"]
+    c["max_sample_cost"] = max_sample_cost
+    c.update(over)
     return c
 
 
+LEAN_CFG = config()
+
+
+def fat_cfg() -> dict:
+    return config(fat=True)

@@ -38,6 +38,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from tests.support.common import config
+
 # reason -> the column it names (None: a request-level or whole-row reason)
 REASONS = {
     "null_user": "user_id",
@@ -101,26 +103,15 @@ def auth_of(item: int) -> int:
 
 
 def lean_config(actions: bool = False, **over) -> dict:
-    cfg = {
-        "columns": {
-            "user": "user_id", "request": "request_id", "request_time": "request_ts",
-            "action_time": "action_ts", "item": "item_id", "position": "position",
-            "labels": ["click", "like"], "item_features": ["category", "author"],
-            "context_features": ["device", "hour"], "user_features": ["age_bucket", "country"],
-        },
-        "time_unit": "ms", "max_seq_len": L, "history_length": 2 * L, "max_sample_cost": MAX_COST,
-        "max_quarantine_share": 0.5,
-    }
-    if actions:
-        cfg["columns"]["actions"] = {"user": "uid", "item": "iid", "time": "ts", "labels": "bits",
-                                     "item_features": ["cat", "auth"]}
+    """The test config (tests/support/common.py) at the edge logs' sizes."""
+    cfg = config(L, max_sample_cost=MAX_COST, actions=actions, max_quarantine_share=0.5)
     cfg.update(over)
     return cfg
 
 
 def fat_config(**over) -> dict:
-    cfg = lean_config(**over)
-    cfg["columns"]["sequence"] = {"item": "hist_item_id", "time": "hist_ts", "category": "hist_category"}
+    cfg = config(L, max_sample_cost=MAX_COST, fat=True, max_quarantine_share=0.5)
+    cfg.update(over)
     return cfg
 
 

@@ -1,0 +1,234 @@
+"""Synthetic user-wise samples and shard sets, without Spark (tests, benchmarks, checks).
+
+One generator, :func:`make_samples`, writes rows of the shard schema for the
+synthetic log's layout (:func:`layout`, the lean config of ``userwise synth``).
+Every sample obeys the pointer semantics (README "The pointer"): the stored
+sequence is sorted by time; request r sees ``seq[begin:end]`` with ``end`` =
+the events strictly before its time and ``begin = max(0, end - L)``; the
+stored sequence holds exactly ``[min begin, max end)``. ``sample_id`` is
+xxhash64 of (kind, window end, user, chunk), as a build makes it.
+
+Sizes: light users' event counts follow a Pareto law (``event_scale``,
+capped at ``max_events``); ``heavy`` users come in three chunks each of a cost
+in ``[cap/2, cap)`` and the bot (user :data:`BOT`) in ``bot_chunks`` chunks of
+a cost near ``cap``.
+
+- :func:`build_samples`: a build's samples table (pretrain + daily windows,
+  skewed), the input of preshard tests;
+- :func:`write_shard_set`: a shard set written as preshard writes its files
+  (deliberately uneven shards, a set per window), its manifest through
+  :mod:`userwise.pipelines.shards.manifest`, last;
+- :func:`all_rows`: every sample row of a set, read back plainly.
+
+Example::
+
+    write_shard_set("/tmp/S", nodes=1, ranks_per_node=2)
+    all_rows("/tmp/S").num_rows   # 280
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from userwise import schemas
+from userwise.pipelines import config
+from userwise.pipelines.shards import manifest as mf
+from userwise.pipelines.tools import synth
+
+MS_DAY = 86_400_000
+EPOCH = dt.date(1970, 1, 1)
+BOT = 999_999
+HEAVY = 10_000  # heavy users' ids start here
+BUILD_START = dt.date(2026, 1, 2)  # build_samples: the first daily window ends here
+
+DEFAULT_SETS = (
+    ("pretrain", "2025-12-01", "2026-01-03", 120),
+    ("incremental", "2026-01-03", "2026-01-04", 70),
+    ("incremental", "2026-01-04", "2026-01-05", 90),
+)
+
+
+def layout(max_seq_len: int = 20) -> schemas.Layout:
+    """The layout of the synthetic lean log (``userwise synth``'s config.yaml)."""
+    cfg = synth.make_config(max_seq_len, 0, fat=False, actions=False)
+    return config.parse(cfg).layout(schemas.SYNTH_IMPRESSIONS.to_arrow())
+
+
+def sample_id(kind: str, window_end, user: int, chunk: int) -> int:
+    """xxhash64 of (kind, window_end, user, chunk), as a signed int64."""
+    return xxhash.xxh64_intdigest(f"{kind}|{window_end}|{user}|{chunk}".encode()) - (1 << 63)
+
+
+def _ms(d: dt.date) -> int:
+    return (d - EPOCH).days * MS_DAY
+
+
+def _light(rng, n_events: int, t0: int, t1: int, max_seq_len: int):
+    """(event times, request times, begin, end) of a user with ``n_events`` events."""
+    R = int(rng.integers(1, 6))
+    ev_ts = np.sort(rng.integers(t0 - 3 * MS_DAY, t1, n_events)).astype(np.int64)
+    rt = np.sort(rng.integers(t0, t1, R)).astype(np.int64)
+    end = np.searchsorted(ev_ts, rt, side="left").astype(np.int32)  # strictly before
+    begin = np.maximum(0, end - max_seq_len).astype(np.int32)
+    lo, hi = int(begin.min()), int(end.max())
+    return ev_ts[lo:hi], rt, begin - lo, end - lo
+
+
+def _sized(rng, cost: int, t0: int, t1: int, max_seq_len: int):
+    """(event times, request times, begin, end, impressions per request) of a sample of ``cost``."""
+    R = int(rng.integers(2, 6))
+    k = (rng.multinomial(max(R, cost // 3) - R, [1 / R] * R) + 1).astype(np.int32)
+    L = max(0, cost - int(k.sum()))
+    # the first request starts the stored range, the last one ends it
+    end = np.sort(rng.integers(0, L + 1, R))
+    end[0], end[-1] = min(end[0], max_seq_len, L), L
+    end = np.sort(end).astype(np.int32)
+    begin = np.maximum(0, end - max_seq_len).astype(np.int32)
+    rt = (np.sort(rng.integers(t0, t1 - R, R)) + np.arange(R)).astype(np.int64)  # strictly increasing
+    lows = np.r_[t0 - 3 * MS_DAY, rt[:-1]]
+    counts = np.diff(np.r_[0, end])
+    ev_ts = np.concatenate([np.sort(rng.integers(lo, hi, c)) for lo, hi, c in zip(lows, rt, counts)])
+    return ev_ts.astype(np.int64), rt, begin, end, k
+
+
+def _row(rng, *, user: int, chunk: int, kind: str, ws: dt.date, we: dt.date, ev_ts, rt, begin, end, k,
+         null_share: float) -> dict:
+    L, R, K = len(ev_ts), len(rt), int(k.sum())
+    rids = [f"r{user}-{chunk}-{j}" if chunk else f"r{user}-{j}" for j in range(R)]
+    req_day = [EPOCH + dt.timedelta(days=int(t // MS_DAY)) for t in rt]
+    return {
+        "format_version": schemas.FORMAT_VERSION, "sample_id": sample_id(kind, we, user, chunk), "kind": kind,
+        "window_start": ws, "window_end": we, "user": user, "chunk": chunk,
+        "num_requests": R, "num_impressions": K, "seq_len": L, "cost": L + K,
+        "seq_ts": ev_ts, "seq_item": rng.integers(0, 5000, L), "seq_category": rng.integers(0, 50, L).astype(np.int32),
+        "seq_author": rng.integers(0, 900, L), "seq_action": rng.integers(1, 4, L),
+        "req_id": rids, "req_time": rt, "req_seq_begin": begin, "req_seq_end": end, "req_num_imps": k,
+        "req__request_id": rids, "req__request_ts": rt,
+        "req__device": [["ios", "android", "web"][j % 3] for j in range(R)],
+        "req__hour": rng.integers(0, 24, R).astype(np.int8), "req__age_bucket": np.full(R, user % 7, np.int8),
+        "req__country": [("de", "fr", "jp")[user % 3]] * R,
+        "imp__date": [req_day[r] for r in range(R) for _ in range(k[r])],
+        "imp__action_ts": np.repeat(rt, k) + rng.integers(1, 5000, K),
+        "imp__item_id": rng.integers(0, 5000, K), "imp__position": np.concatenate([np.arange(x) for x in k]).astype(np.int32),
+        "imp__click": rng.integers(0, 2, K).astype(np.int8), "imp__like": (rng.random(K) < 0.1).astype(np.int8),
+        "imp__category": rng.integers(0, 50, K).astype(np.int32), "imp__author": rng.integers(0, 900, K),
+        "imp__score": [None if rng.random() < null_share else float(np.float32(rng.random())) for _ in range(K)],
+    }
+
+
+def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed: int, max_seq_len: int = 20,
+                 max_events: int = 120, first_user: int = 0, null_share: float = 0.1, event_scale: float = 8.0,
+                 heavy: int = 0, bot_chunks: int = 0, cap: int = 200) -> pa.Table:
+    """One window's samples (shard schema): ``n`` light users from ``first_user`` on, then
+    ``heavy`` users (three chunks each) and the bot (``bot_chunks`` chunks)."""
+    schema = schemas.shard_schema(layout()).to_arrow()
+    rng = np.random.default_rng(seed)
+    ws, we = dt.date.fromisoformat(str(window_start)), dt.date.fromisoformat(str(window_end))
+    t0, t1 = _ms(ws), _ms(we)
+    cols = {name: [] for name in schema.names}
+
+    def add(row: dict) -> None:
+        for c in cols:
+            v = row[c]
+            cols[c].append(v.tolist() if isinstance(v, np.ndarray) else v)
+
+    # most small, a few heavy
+    n_events = np.minimum(rng.pareto(1.2, n) * event_scale, max_events).astype(int)
+    for i in range(n):
+        ev_ts, rt, begin, end = _light(rng, n_events[i], t0, t1, max_seq_len)
+        k = rng.integers(1, 5, len(rt)).astype(np.int32)
+        add(_row(rng, user=first_user + i, chunk=0, kind=kind, ws=ws, we=we, ev_ts=ev_ts, rt=rt, begin=begin,
+                 end=end, k=k, null_share=null_share))
+    plan = [(HEAVY + u, c, int(rng.integers(cap // 2, cap))) for u in range(heavy) for c in range(3)]
+    plan += [(BOT, c, cap - int(rng.integers(0, 4))) for c in range(bot_chunks)]
+    for user, chunk, cost in plan:
+        ev_ts, rt, begin, end, k = _sized(rng, cost, t0, t1, max_seq_len)
+        add(_row(rng, user=user, chunk=chunk, kind=kind, ws=ws, we=we, ev_ts=ev_ts, rt=rt, begin=begin, end=end,
+                 k=k, null_share=null_share))
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def build_samples(*, seed: int = 0, users: int = 40, heavy: int = 3, bot_chunks: int = 16, windows: int = 3,
+                  cap: int = 200) -> pa.Table:
+    """A build's samples table: a pretrain set and ``windows`` daily windows (the last one
+    ends at ``BUILD_START + windows - 1`` days), each with ``users`` light users, ``heavy``
+    users in three chunks and the bot in ``bot_chunks`` chunks, costs below ``cap``."""
+    sets = [("pretrain", dt.date(2025, 12, 1), BUILD_START - dt.timedelta(days=1))]
+    sets += [("incremental", BUILD_START + dt.timedelta(days=i - 1), BUILD_START + dt.timedelta(days=i))
+             for i in range(windows)]
+    parts = [make_samples(users, kind=kind, window_start=ws.isoformat(), window_end=we.isoformat(),
+                          seed=seed * 100 + i, max_events=cap // 2, heavy=heavy, bot_chunks=bot_chunks, cap=cap)
+             for i, (kind, ws, we) in enumerate(sets)]
+    return pa.concat_tables(parts)
+
+
+def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=DEFAULT_SETS, seed: int = 0,
+                    row_group_rows: int = 8, gds: bool = False, uneven: bool = True, compression: str = "zstd",
+                    dictionary: str = "all", **sample_kw) -> dict:
+    """Write a shard set under ``root`` (node=k/shard-NNNNN.parquet, .gds with ``gds``, and
+    manifest.json, last); return its manifest. ``sets``: (kind, window_start, window_end,
+    samples) per set, in training order; ``sample_kw`` go to :func:`make_samples`."""
+    from userwise.pipelines.shards import gds as gdsmod
+    from userwise.pipelines.shards import preshard
+
+    schema = schemas.shard_schema(layout()).to_arrow()
+    slots = nodes * ranks_per_node
+    plan, stats = [], []
+    first_user = 0
+    for si, (kind, ws, we, n) in enumerate(sets):
+        t = make_samples(n, kind=kind, window_start=ws, window_end=we, seed=seed * 100 + si, first_user=first_user,
+                         **sample_kw)
+        first_user += n
+        # uneven: slot j gets a weight 1 + j (mod 3), so shard sizes differ
+        w = np.array([1 + (j % 3) if uneven else 1 for j in range(slots)], float)
+        counts = np.floor(w / w.sum() * t.num_rows).astype(int)
+        counts[0] += t.num_rows - counts.sum()
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        costs = np.asarray(t["cost"])
+        plan.append({"id": preshard.set_id(kind, we), "kind": kind,
+                     "window_start": ws, "window_end": we, "shards_per_rank": 1, "shard_base": si * slots,
+                     "slot_rows": counts.tolist(),
+                     "slot_cost": [int(costs[starts[j]:starts[j + 1]].sum()) for j in range(slots)],
+                     "max_cost": int(costs.max()) if len(costs) else 0})
+        for j in range(slots):
+            node, rank = divmod(j, ranks_per_node)
+            part = t.slice(starts[j], counts[j])
+            shard = si * slots + j
+            rel = preshard.shard_name(shard, node)
+            path = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            pq.write_table(part, path, row_group_size=row_group_rows, compression=compression,  # as preshard writes
+                           use_dictionary=preshard.parse_dictionary(dictionary, part.schema),
+                           **preshard.PARQUET_OPTIONS)
+            imps = int(np.asarray(part["num_impressions"]).sum())
+            entry = {
+                "shard": shard, "path": rel, "node": node, "rank": rank, "rows": part.num_rows,
+                "events": int(np.asarray(part["seq_len"]).sum()), "impressions": imps,
+                "cost": int(np.asarray(part["cost"]).sum()), "bytes": os.path.getsize(path),
+                "row_groups": pq.ParquetFile(path).metadata.num_row_groups, "sha256": mf.file_sha256(path),
+                "gds_path": None, "gds_bytes": None, "gds_sha256": None,
+            }
+            if gds:
+                g = rel[: -len(".parquet")] + ".gds"
+                info = gdsmod.write_side_file(path, os.path.join(root, g))
+                entry.update(gds_path=g, gds_bytes=info["bytes"], gds_sha256=info["sha256"])
+            stats.append(entry)
+    cfg = {"schema": schema, "layout": "gds" if gds else "parquet", "dictionary": dictionary,
+           "compression": preshard.parse_compression(compression, schema), "row_group_rows": row_group_rows}
+    manifest = preshard.assemble(cfg=cfg, sets=plan, stats=stats, nodes=nodes, ranks_per_node=ranks_per_node,
+                                 seed=seed, source={"table": os.path.join(root, "samples"), "version": 0})
+    mf.write(root, manifest)
+    return manifest
+
+
+def all_rows(root: str, node: int | None = None) -> pa.Table:
+    """Every sample row of a set (of one node), read back plainly (the test oracle)."""
+    m = mf.load(root)
+    shards = m["shards"] if node is None else mf.node_shards(m, node)
+    return pa.concat_tables([pq.read_table(os.path.join(root, s["path"])) for s in shards])
