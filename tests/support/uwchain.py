@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from userwise.pipelines.shards import manifest as mf
+
 ROOT = Path(__file__).resolve().parents[2]
 DAYS = ("2026-01-01", "2026-01-02", "2026-01-03")
 TABLES = ("requests", "events", "history", "samples", "quarantine")
@@ -52,7 +54,7 @@ def shard_digest(shards: str | Path) -> dict[str, str]:
     out = {}
     for p in sorted(Path(shards).rglob("*.parquet")):
         if "_staging" not in p.parts:
-            out[str(p.relative_to(shards))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[str(p.relative_to(shards))] = mf.file_sha256(str(p))
     return out
 
 
