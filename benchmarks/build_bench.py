@@ -123,16 +123,22 @@ def group_metrics(spark, group: str) -> dict:
 class Steps:
     """Wraps the names pipelines.build calls so that each step is timed under its own job group."""
 
-    # fat_range_samples: a fat build's sets in one plan (older builds call the other two)
-    NAMES = ("ingest_range", "pretrain_samples", "window_samples", "fat_range_samples", "report")
+    # the functions the range build calls by name; those it does not have are left alone
+    NAMES = ("ingest_range", "pretrain_samples", "window_samples", "fat_range_samples", "set_samples", "report")
+    HISTORY = ("seed", "update", "derive")  # History's methods, each timed as history_<method>
 
     def __init__(self, spark, ui: bool):
         self.spark, self.ui = spark, ui
         self.rows: list[dict] = []
         self.prefix = ""
+        self.active = False
 
     @contextlib.contextmanager
     def step(self, name: str):
+        if self.active:  # a wrapped name called by another: its time is the outer step's
+            yield
+            return
+        self.active = True
         sc = self.spark.sparkContext
         group = f"{self.prefix}{len(self.rows):02d}-{name}"
         sc.setJobGroup(group, name)
@@ -141,6 +147,7 @@ class Steps:
             yield
         finally:
             wall = time.perf_counter() - t
+            self.active = False
             sc.setLocalProperty("spark.jobGroup.id", None)
             row = {"step": name, "wall_s": round(wall, 2), "group": group}
             self.rows.append(row)
@@ -170,15 +177,14 @@ class Steps:
             if n in saved:
                 setattr(B, n, wrap(n, saved[n]))
 
-        class TimedHistory(saved["History"]):
-            def seed(self, *a, **k):
-                with steps.step("history_seed"):
-                    return super().seed(*a, **k)
+        def timed_method(name):
+            def timed(self, *a, **k):
+                with steps.step(f"history_{name}"):
+                    return getattr(saved["History"], name)(self, *a, **k)
+            return timed
 
-            def update(self, *a, **k):
-                with steps.step("history_update"):
-                    return super().update(*a, **k)
-
+        TimedHistory = type("TimedHistory", (saved["History"],),
+                            {m: timed_method(m) for m in self.HISTORY if hasattr(saved["History"], m)})
         B.History = TimedHistory
         try:
             yield self
