@@ -15,3 +15,53 @@ class QuarantineLimitError(UserwiseError):
 
 class ShardError(UserwiseError):
     """A shard set that is incomplete, corrupt or of another format."""
+
+
+_OS_HINTS = {
+    28: "the disk is full: free space there (or pick another destination) and run the command again; "
+        "finished work is kept",
+    13: "permission denied: check the folder's owner and mode",
+    30: "the file system is read-only: choose a writable folder",
+    2: "no such file or folder: check the path",
+    20: "a path component is a file, not a folder: check the path",
+    21: "a folder where a file was expected: check the path",
+    122: "the disk quota is exceeded: free space and run the command again",
+}
+
+
+def one_line(exc: BaseException, log_path: str | None = None) -> tuple[int, str]:
+    """The exit code and the one ``error:`` line the CLI prints for ``exc``.
+
+    2: a failure the user can fix (bad input, config, path, disk, a concurrent writer);
+    1: an internal error (the traceback is shown with ``userwise --debug``).
+    """
+    where = f" (Spark's log: {log_path})" if log_path else ""
+    if isinstance(exc, UserwiseError):
+        return 2, str(exc)
+    if isinstance(exc, OSError) and exc.errno in _OS_HINTS:
+        target = exc.filename or ""
+        return 2, f"{_OS_HINTS[exc.errno]}" + (f": {target}" if target else "")
+    name = type(exc).__name__
+    mod = type(exc).__module__ or ""
+    if mod.startswith(("pyspark", "py4j")):
+        msg = _spark_message(exc)
+        return 2, f"Spark failed: {msg}{where}; rerun with `userwise --debug ...` for the full trace"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return 1, (f"internal error ({name}: {first}){where}; rerun with `userwise --debug ...` for the "
+               "traceback and report it")
+
+
+def _spark_message(exc: BaseException) -> str:
+    """The first meaningful line of a Spark/Py4J error: its condition and message, no Java trace."""
+    text = str(exc)
+    java = getattr(exc, "java_exception", None)
+    if java is not None:
+        try:
+            text = java.getMessage() or text
+        except Exception:  # the JVM may be gone
+            pass
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("at ", "JVM stacktrace", "Traceback", "An error occurred")):
+            return line[:400]
+    return type(exc).__name__

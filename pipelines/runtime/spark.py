@@ -42,6 +42,40 @@ _ALWAYS = {
 }
 
 
+# Where the JVM's own log goes when this process starts it (None: the console, or not started here).
+LOG_PATH: str | None = None
+
+_LOG4J = """\
+status = error
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {path}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{yy/MM/dd HH:mm:ss}} %p %c{{1}}: %m%n
+rootLogger.level = {level}
+rootLogger.appenderRef.file.ref = file
+"""
+
+
+def _log_to_file() -> tuple[str, str]:
+    """Write a log4j2 configuration that sends the driver's log to a file; return the file.
+
+    The folder is ``$USERWISE_LOG_DIR``, else ``<tmp>/userwise-logs``. ``userwise --verbose``
+    (``USERWISE_VERBOSE=1``) keeps Spark's console log instead.
+    """
+    import datetime as dt
+    import tempfile
+
+    d = os.environ.get("USERWISE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "userwise-logs")
+    os.makedirs(d, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(d, f"spark-{stamp}-{os.getpid()}.log")
+    props = os.path.join(d, f"log4j2-{os.getpid()}.properties")
+    with open(props, "w") as f:
+        f.write(_LOG4J.format(path=path, level=os.environ.get("USERWISE_SPARK_LOG", "WARN").lower()))
+    return path, props
+
+
 def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None = None,
               conf: dict[str, str] | None = None):
     """Return the active session or make one.
@@ -65,9 +99,18 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
         # Python workers must run the interpreter that has our dependencies, not `python3`.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    global LOG_PATH
+    java_opts = None
+    if not submitted and os.environ.get("USERWISE_VERBOSE") != "1":
+        LOG_PATH, props = _log_to_file()
+        java_opts = f"-Dlog4j2.configurationFile=file:{props}"
     if local:
         for k, v in _LOCAL_DEFAULTS.items():
+            if k == "spark.driver.extraJavaOptions" and java_opts:
+                v = f"{v} {java_opts}"
             b = b.config(k, v)
+    elif java_opts:
+        b = b.config("spark.driver.extraJavaOptions", java_opts)
         b = b.config("spark.ui.enabled", "false" if ui is False else "true" if ui else "false")
     for k, v in _ALWAYS.items():
         b = b.config(k, v)
@@ -78,4 +121,6 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("USERWISE_SPARK_LOG", "WARN"))
+    if LOG_PATH:
+        print(f"[userwise] Spark's log: {LOG_PATH}", file=sys.stderr, flush=True)
     return spark

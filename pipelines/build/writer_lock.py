@@ -1,0 +1,237 @@
+"""One writer per build folder: a lock file that a crash cannot wedge.
+
+Every job that writes a build folder ``D`` holds a lock under ``D/_userwise/locks/``
+while it runs:
+
+- ``build``, ``backfill``, ``history``, ``window``, ``pretrain`` and ``forget`` take the
+  folder's **exclusive** lock (``output.lock``): they read or rewrite state that spans
+  dates (the history, the samples of a range, every table).
+- ``requests`` takes a lock **per date** (``requests-YYYY-MM-DD.lock``): it replaces
+  only its own date's partitions of ``requests``, ``events`` and ``quarantine``, so the
+  daily ``requests`` jobs of different dates may run in parallel (an Airflow catch-up
+  does), while a second ``requests`` job of the same date, or any exclusive job, is
+  refused.
+
+A refused job fails at once, before it reads or writes anything, with one line naming
+the job that holds the lock (its command, pid, host and start time).
+
+A lock is a small JSON file created with ``O_CREAT | O_EXCL`` (atomic on a local or
+network file system). Its holder touches it every :data:`HEARTBEAT_S` seconds from a
+daemon thread. A lock is **stale** when its process is gone (same host: the pid no
+longer runs, or runs another program) or when nobody has touched it for
+:data:`STALE_S` seconds (any host). A stale lock is taken over safely: the taker first
+renames it aside (one rename wins, whoever races), then creates its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import socket
+import threading
+import time
+
+from userwise.pipelines.errors import UserwiseError
+
+HEARTBEAT_S = 10.0
+STALE_S = 120.0
+EXCLUSIVE = "output.lock"
+
+
+class LockedError(UserwiseError):
+    """Another job holds the build folder's lock."""
+
+
+def lock_dir(output: str) -> str:
+    return os.path.join(_local(output), "_userwise", "locks")
+
+
+def _local(output: str) -> str:
+    if output.startswith("file://"):
+        return output[len("file://"):]
+    if output.startswith("file:"):
+        return output[len("file:"):]
+    return output
+
+
+def _is_local(output: str) -> bool:
+    return "://" not in output or output.startswith("file:")
+
+
+def _pid_alive(pid: int, started: float | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if started is not None:
+        # A recycled pid: the process running now started after the lock was taken.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            with open("/proc/uptime") as f:
+                uptime = float(f.read().split()[0])
+            proc_start = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+            if proc_start > started + 5:
+                return False
+        except (OSError, ValueError, IndexError):
+            pass
+    return True
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # being written, or unreadable: judged by its age alone
+
+
+def is_stale(path: str, holder: dict | None) -> bool:
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return True
+    if age > STALE_S:
+        return True
+    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        return not _pid_alive(holder["pid"], holder.get("started_ts"))
+    return False
+
+
+def describe(holder: dict | None) -> str:
+    if not holder:
+        return "another job (its lock file is being written)"
+    what = holder.get("job", "a job")
+    date = f" --date {holder['date']}" if holder.get("date") else ""
+    return (f"`userwise {what}{date}` (pid {holder.get('pid')} on {holder.get('host')}, "
+            f"since {holder.get('started')})")
+
+
+def _create(path: str, me: dict) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    return True
+
+
+def _take_over_if_stale(path: str) -> dict | None:
+    """Return the live holder of ``path``, or None when there is none (any stale lock is moved aside)."""
+    holder = _read(path)
+    if holder is None:
+        return None
+    if not is_stale(path, holder):
+        return holder
+    aside = f"{path}.stale-{os.getpid()}-{time.time_ns()}"
+    try:
+        os.rename(path, aside)  # one rename wins; a loser finds the file gone and retries the create
+    except FileNotFoundError:
+        return None
+    moved = _read(aside)
+    if not is_stale(aside, moved):
+        # A racing taker replaced the stale lock with its fresh one before our rename: put it back.
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)
+        os.remove(aside)
+        return moved or {}
+    os.remove(aside)
+    return None
+
+
+class WriterLock:
+    """Hold ``D``'s lock for ``job`` (exclusive, or per date for ``requests``).
+
+    Use as a context manager; :meth:`acquire` raises :class:`LockedError` when a live
+    job holds a conflicting lock, and changes nothing then.
+    """
+
+    def __init__(self, output: str, job: str, date: str | None = None):
+        self.output, self.job, self.date = output, job, date
+        self.name = f"requests-{date}.lock" if job == "requests" and date else EXCLUSIVE
+        self.path = os.path.join(lock_dir(output), self.name)
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self.held = False
+
+    def _conflicts(self) -> list[str]:
+        d = lock_dir(self.output)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        names = [n for n in names if n.endswith(".lock") and n != self.name]
+        if self.name != EXCLUSIVE:
+            names = [n for n in names if n == EXCLUSIVE]  # other dates' requests jobs may run
+        return [os.path.join(d, n) for n in sorted(names)]
+
+    def acquire(self) -> "WriterLock":
+        if not _is_local(self.output):
+            return self  # object stores offer no atomic create here: one writer is the caller's to ensure
+        os.makedirs(lock_dir(self.output), exist_ok=True)
+        now = time.time()
+        me = {"job": self.job, "date": self.date, "pid": os.getpid(), "host": socket.gethostname(),
+              "started": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
+              "started_ts": now, "output": self.output}
+        for _ in range(20):
+            if _create(self.path, me):
+                break
+            holder = _take_over_if_stale(self.path)
+            if holder is not None:
+                raise LockedError(f"{self.output} is being written by {describe(holder)}; wait for it to "
+                                  f"finish (if that job is gone, its lock {self.path} is taken over "
+                                  f"after {int(STALE_S)} s without a heartbeat)")
+        else:
+            raise LockedError(f"could not take the lock {self.path}: it keeps changing hands")
+        # Both sides check after creating their own: of two racing conflicting jobs, at
+        # least one sees the other and steps back (both may; neither proceeds unseen).
+        for other in self._conflicts():
+            holder = _take_over_if_stale(other)
+            if holder is not None:
+                self._remove()
+                raise LockedError(f"{self.output} is being written by {describe(holder)}; wait for it "
+                                  f"to finish, then run this job again")
+        self.held = True
+        self._beat = threading.Thread(target=self._heartbeat, name="userwise-lock", daemon=True)
+        self._beat.start()
+        return self
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def _remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.held:
+            self._remove()
+            self.held = False
+
+    def __enter__(self) -> "WriterLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# The commands that write a build folder, and how each locks it.
+WRITERS = {"build": "exclusive", "backfill": "exclusive", "history": "exclusive", "window": "exclusive",
+           "pretrain": "exclusive", "forget": "exclusive", "requests": "per-date"}
+
+
+def for_command(command: str, args) -> WriterLock | None:
+    """The lock a CLI command takes on its ``--output``, or None for commands that write no build folder."""
+    if command not in WRITERS or not getattr(args, "output", None):
+        return None
+    return WriterLock(args.output, command, getattr(args, "date", None) if WRITERS[command] == "per-date" else None)
