@@ -13,9 +13,8 @@ TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine
 
 # The Parquet codec of every table written here. Spark's default is snappy; the stored product
 # (the samples) is read far more often than it is written, over networks and from NVMe.
-# zstd: the samples 28% and the requests 32% smaller at 852k fat-row impressions, the build
-# no slower (benchmarks/codec_ab.py, alternating builds); `make demo`'s storage ratio
-# 1.243 -> 1.742. Shards have their own codec (preshard --compression, zstd by default).
+# zstd makes them about a third smaller than snappy and the build no slower (README, "Tables
+# and schemas"). Shards have their own codec (preshard --compression, zstd by default).
 CODEC = "zstd"
 
 

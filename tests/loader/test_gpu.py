@@ -3,8 +3,8 @@
 These need a CUDA device; on a CPU-only machine (CI) they are skipped and the
 same code's CPU behaviour is tested in test_loader.py / test_gds.py (unpinned
 host batches, the GDS fallback, the device assembler run on CPU tensors). On
-a GPU machine: ``python -m pytest tests/test_gpu.py`` (benchmarks/device_check.sh
-runs it with the GPU benchmarks; results in docs/loader.md).
+a GPU machine: ``python -m pytest tests/loader/test_gpu.py`` (benchmarks/device_check.sh
+runs it with the GPU benchmarks; results in benchmarks/README.md).
 
 Every check compares the device batches byte for byte with the CPU loader's
 batches of the same seed, while the consumer keeps the default stream busy,
