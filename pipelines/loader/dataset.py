@@ -25,14 +25,13 @@ log = logging.getLogger("userwise.loader")
 _SAID: set[str] = set()
 
 # Buffers a process that decodes alone reads ahead, each on its own thread (a "lane"), while the
-# calling thread shuffles and cuts the current one. With one lane the read of the next buffer was
-# the whole critical path and left part of two cores idle; see docs/loader.md (Memory path).
+# calling thread shuffles and cuts the current one. With one lane the read of the next buffer is
+# the whole critical path and leaves part of two cores idle; see docs/loader.md (Read-ahead).
 READ_LANES = 2
 # Reads in flight (queued to the lanes) while the calling thread works on a buffer: one more than
 # the lanes, so that a lane that finishes while the caller is busy starts the next read at once
-# instead of waiting for the caller to take its buffer (with READ_LANES in flight, one lane was idle
-# for most of each buffer's shuffle: docs/loader-speed-history.md, 2026-12-01). A process holds up
-# to READ_AHEAD + 1 decoded buffers.
+# instead of waiting for the caller to take its buffer (with READ_LANES in flight, one lane sits idle
+# for most of each buffer's shuffle). A process holds up to READ_AHEAD + 1 decoded buffers.
 READ_AHEAD = READ_LANES + 1
 
 
@@ -83,10 +82,8 @@ def _kvikio_compat() -> bool:
 _POOL_SWAP = threading.Lock()  # open_parquet's swap of the process-wide default pool
 
 # Which allocator the shard readers decode into: "arrow" (Arrow's default pool, mimalloc in
-# PyPI's wheels) or "system" (malloc). USERWISE_READ_POOL overrides it. Measured both ways
-# (docs/loader-speed-history.md): on the earlier rounds' machine mimalloc made the loader's
-# reads 10-70% slower from one epoch to the next, on the later one (AMD EPYC, pyarrow 26)
-# malloc cost 9-13% more CPU per epoch of long samples and mimalloc never degraded.
+# PyPI's wheels) or "system" (malloc). USERWISE_READ_POOL overrides it: which is faster depends
+# on the host (docs/loader.md, Tuning).
 READ_POOLS = ("arrow", "system")
 
 
@@ -234,8 +231,8 @@ class UserwiseDataset(IterableDataset):
             else:
                 compat = _kvikio_compat()
                 if compat and gds == "auto":
-                    # kvikio without a GDS driver reads through POSIX and bounce buffers: measured
-                    # 7x slower than Parquet + pinned memory (docs/loader.md, H200 run)
+                    # kvikio without a GDS driver reads through POSIX and bounce buffers: several
+                    # times slower than Parquet + pinned memory (benchmarks/README.md, GPU)
                     path, why = "parquet", ("GDS fallback: kvikio has no GDS driver here (compatibility mode); "
                                             "Parquet via pinned memory is faster. gds='device' forces kvikio")
                 else:
@@ -314,7 +311,7 @@ class UserwiseDataset(IterableDataset):
     def plan_ahead(self, epoch: int) -> bool:
         """Plan ``epoch`` now and keep it with the current one: the loader calls this for the
         next epoch while its workers read their first buffers, so the next epoch does not
-        start with the trainer planning (2 ms for 40,000 samples) and every worker waiting.
+        start with the trainer planning and every worker waiting.
         Not where planning takes a collective (ranks on other nodes must plan at the same
         point in their programs). Returns whether the plan is ready."""
         epoch = int(epoch)

@@ -116,7 +116,7 @@ def test_validity_reads_the_bitmap_of_sliced_arrays(n):
 def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
     """The GDS path assembles batches with torch ops where the columns live (the device).
     Run that assembler on CPU tensors read from the side files and compare every batch
-    with the host assembler's bytes (the GPU run of the same code: tests/test_gpu.py)."""
+    with the host assembler's bytes (the GPU run of the same code: tests/loader/test_gpu.py)."""
     import torch
 
     from userwise.pipelines.loader import assemble_torch, decode
