@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import one_line
 
 
 def _date(s: str) -> str:
@@ -34,18 +36,42 @@ def _pos_int(s: str) -> int:
     return v
 
 
+INPUT_HELP = ("the impression log: a Delta table, a Parquet file, a folder of Parquet files (hive partitions "
+              "or not), a glob, or a comma-separated list of these; local or any URL Spark reads")
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def _input_args(p: argparse.ArgumentParser, actions: bool = True) -> None:
+    p.add_argument("--input", required=True, help=INPUT_HELP)
+    p.add_argument("--input-version", type=_nonneg_int,
+                   help="read the Delta input(s) as of this table version (time travel; same as <table>@v<N>)")
+    if actions:
+        p.add_argument("--actions", help="optional separate action log (same forms as --input); "
+                                         "mapped by columns.actions")
+
+
 def _common_spark(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", help="Spark master URL (default: local[2], or what spark-submit set)")
 
 
 def _build_args(p):
     p.add_argument("--config", required=True, help="YAML config mapping columns onto roles")
-    p.add_argument("--input", required=True, help="impression log: Parquet or Delta folder")
+    _input_args(p, actions=False)
     p.add_argument("--output", required=True, help="folder for the Delta tables (requests, history, samples, ...)")
     p.add_argument("--as-of", required=True, type=_date, help="exclusive UTC date T: requests before T are built")
     p.add_argument("--pretrain-days", required=True, type=int, help="M: the last M days are incremental windows")
     p.add_argument("--window-days", required=True, type=_pos_int, help="N: incremental window length (divides M)")
-    p.add_argument("--actions", help="optional separate action log (Parquet or Delta); mapped by columns.actions")
+    p.add_argument("--actions", help="optional separate action log (same forms as --input); "
+                                     "mapped by columns.actions")
     p.add_argument("--report", help="also write the report as JSON to this file")
     _common_spark(p)
 
@@ -53,8 +79,7 @@ def _build_args(p):
 def _day_args(p, needs_input=True):
     p.add_argument("--config", required=True)
     if needs_input:
-        p.add_argument("--input", required=True)
-        p.add_argument("--actions")
+        _input_args(p)
     p.add_argument("--output", required=True, help="the build folder (as for `userwise build`)")
     p.add_argument("--date", required=True, type=_date, help="the UTC day to process")
     _common_spark(p)
@@ -124,8 +149,7 @@ def _backfill_args(p):
     p.add_argument("--from", dest="date_from", required=True, type=_date)
     p.add_argument("--to", dest="date_to", required=True, type=_date, help="inclusive")
     p.add_argument("--config", required=True)
-    p.add_argument("--input", required=True)
-    p.add_argument("--actions")
+    _input_args(p)
     p.add_argument("--output", required=True, help="the build folder")
     p.add_argument("--shards", help="shard set root to pre-shard each day into (optional)")
     p.add_argument("--pretrain-days", type=int, default=30)
@@ -138,16 +162,16 @@ def _backfill_args(p):
 
 def _validate_args(p):
     p.add_argument("--config", required=True)
-    p.add_argument("--input", required=True)
-    p.add_argument("--actions")
-    p.add_argument("--sample-rows", type=_pos_int, default=10000)
+    _input_args(p)
+    p.add_argument("--sample-rows", type=_pos_int, default=10000, help="rows read for the warnings")
 
 
 # name -> (one-line help, argument builder, "module:function")
 COMMANDS = {
     "synth": ("generate a synthetic impression log (lean, fat rows, action log) and its config",
               _synth_args, "userwise.pipelines.tools.synth:cli"),
-    "validate": ("check a config against an input's schema and a sample of its rows; writes nothing",
+    "validate": ("check a config against an input as the build would (same errors, no JVM) and warn about "
+                 "what a sample of rows would quarantine; writes nothing",
                  _validate_args, "userwise.pipelines.build.validate:cli"),
     "build": ("build requests, history, samples and quarantine for a date range (Spark + Delta)",
               _build_args, "userwise.pipelines.build.range:cli"),
@@ -178,11 +202,20 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``error:`` line (exit 2) like every other failure."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="userwise",
         description="User-wise recommender samples: build with Spark/Delta, pre-shard, load into PyTorch.",
     )
+    p.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
+    p.add_argument("--verbose", action="store_true", help="Spark's and Java's log on the console (default: a file)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     sub.required = True
     for name, (help_, build, _) in COMMANDS.items():
@@ -192,18 +225,39 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.verbose:
+        os.environ["USERWISE_VERBOSE"] = "1"
     target = COMMANDS[args.command][2]
     mod, fn = target.split(":")
+    lock = None
     try:
+        if getattr(args, "input_version", None) is not None:
+            from userwise.pipelines.build.inputs import with_version
+
+            args.input = with_version(args.input, args.input_version)
+        from userwise.pipelines.build import writer_lock
+
+        lock = writer_lock.for_command(args.command, args)
+        if lock is not None:
+            lock.acquire()  # before anything is read or written: a refused job changes nothing
         handler = getattr(importlib.import_module(mod), fn)
         rc = handler(args)
-    except UserwiseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print("error: interrupted; run the same command again: finished work is kept", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        log_path = sys.modules["userwise.pipelines.runtime.spark"].LOG_PATH \
+            if "userwise.pipelines.runtime.spark" in sys.modules else None
+        code, line = one_line(e, log_path)
+        print(f"error: {line}", file=sys.stderr)
+        return code
+    finally:
+        if lock is not None:
+            lock.release()
     return int(rc or 0)
 
 

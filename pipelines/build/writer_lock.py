@@ -82,7 +82,7 @@ def _pid_alive(pid: int, started: float | None) -> bool:
     return True
 
 
-def _read(path: str) -> dict | None:
+def read_holder(path: str) -> dict | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -125,7 +125,7 @@ def _create(path: str, me: dict) -> bool:
 
 def _take_over_if_stale(path: str) -> dict | None:
     """Return the live holder of ``path``, or None when there is none (any stale lock is moved aside)."""
-    holder = _read(path)
+    holder = read_holder(path)
     if holder is None:
         return None
     if not is_stale(path, holder):
@@ -135,7 +135,7 @@ def _take_over_if_stale(path: str) -> dict | None:
         os.rename(path, aside)  # one rename wins; a loser finds the file gone and retries the create
     except FileNotFoundError:
         return None
-    moved = _read(aside)
+    moved = read_holder(aside)
     if not is_stale(aside, moved):
         # A racing taker replaced the stale lock with its fresh one before our rename: put it back.
         with contextlib.suppress(FileExistsError):
@@ -223,6 +223,16 @@ class WriterLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def live_writer(output: str) -> bool:
+    """Whether a live job holds any of the folder's locks now (running, not killed)."""
+    d = lock_dir(output)
+    try:
+        names = [n for n in os.listdir(d) if n.endswith(".lock")]
+    except FileNotFoundError:
+        return False
+    return any(not is_stale(os.path.join(d, n), read_holder(os.path.join(d, n))) for n in names)
 
 
 # The commands that write a build folder, and how each locks it.

@@ -76,6 +76,22 @@ def _log_to_file() -> tuple[str, str]:
     return path, props
 
 
+def _launch_jvm_logging_to(path: str, builder) -> None:
+    """Start the driver JVM with its stdout and stderr in ``path`` (the JVM's start-up
+    warnings included), exactly as ``getOrCreate`` would start it otherwise."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return
+    conf = SparkConf()
+    for k, v in builder._options.items():
+        conf.set(k, v)
+    with open(path, "ab") as log:
+        gateway = launch_gateway(conf, popen_kwargs={"stdout": log, "stderr": log})
+    SparkContext._ensure_initialized(gateway=gateway)
+
+
 def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None = None,
               conf: dict[str, str] | None = None):
     """Return the active session or make one.
@@ -119,6 +135,8 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
         b = b.config("spark.jars", ",".join(jars.ensure()))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
+    if LOG_PATH:
+        _launch_jvm_logging_to(LOG_PATH, b)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("USERWISE_SPARK_LOG", "WARN"))
     if LOG_PATH:

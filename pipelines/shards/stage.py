@@ -150,7 +150,12 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
                 if offset:
                     resumed.append(rel)
             src_path = mf.join(src_base, rel)
-            with src_fs.open_input_file(src_path) as src, open(part, "ab" if offset else "wb") as dst:
+            try:
+                src = src_fs.open_input_file(src_path)
+            except FileNotFoundError:
+                raise ShardError(f"{src_path}: the manifest lists this file but it is missing: the shard set "
+                                 "is incomplete or was changed after preshard; rerun `userwise preshard`") from None
+            with src, open(part, "ab" if offset else "wb") as dst:
                 if offset:
                     src.seek(offset)
                 while not stop.is_set():
