@@ -103,6 +103,23 @@ def arrow_filesystem(path: str):
     return pafs.SubTreeFileSystem(root, pafs.LocalFileSystem())
 
 
+def table_bytes(path: str, version: int | None = None) -> int:
+    """Bytes of the data files of a table's version (default: the current one), from its log.
+
+    Files of earlier versions, which reruns leave on disk until VACUUM, do not count; a
+    table that does not exist has 0 bytes. Works for any URL delta-rs reads.
+    """
+    import pyarrow as pa
+    from deltalake import DeltaTable as RsTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        t = RsTable(path, version=version)
+    except TableNotFoundError:
+        return 0
+    return int(sum(pa.table(t.get_add_actions(flatten=True)).column("size_bytes").to_pylist()))
+
+
 def dataset(path: str):
     """A Delta table's current version as a pyarrow dataset (delta-rs lists the files, pyarrow
     reads them: no Spark job; see :func:`arrow_filesystem`)."""

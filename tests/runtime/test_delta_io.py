@@ -121,3 +121,20 @@ def test_spark_writes_and_merges_zstd_files_and_leaves_the_session_codec_alone(s
     assert spark.conf.get(key, None) == before
     assert sorted(delta_io.read_small(path).to_pylist(), key=lambda r: r["user"]) == [
         {"user": 1, "v": "a"}, {"user": 2, "v": "c"}, {"user": 3, "v": "d"}]
+
+
+def test_table_bytes_counts_only_the_current_version_s_files(tmp_path):
+    """A rerun leaves the replaced files on disk until VACUUM: the report's bytes must not count them."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    path = str(tmp_path / "t")
+    data = pa.table({"a": list(range(5000))})
+    write_deltalake(path, data)
+    one = delta_io.table_bytes(path)
+    on_disk = lambda: sum(f.stat().st_size for f in (tmp_path / "t").glob("*.parquet"))  # noqa: E731
+    assert one == on_disk() > 0
+    write_deltalake(path, data, mode="overwrite")
+    assert on_disk() == 2 * one and delta_io.table_bytes(path) == one
+    assert delta_io.table_bytes(path, version=0) == one
+    assert delta_io.table_bytes(str(tmp_path / "missing")) == 0
