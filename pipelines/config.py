@@ -7,6 +7,7 @@ Errors name the key, the column and the fix, in one line, e.g.::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,14 @@ import yaml
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.schemas import TIME_UNITS, Layout, SeqField
-from userwise.schemas.layout import snapshot_element_type
+from userwise.schemas.layout import (
+    field_name,
+    snapshot_element_type,
+    source_schema_of,
+    storage_name,
+    storage_schema,
+    storage_type,
+)
 
 
 class ConfigError(UserwiseError, ValueError):
@@ -44,6 +52,7 @@ COLUMN_ROLES = {
     "actions": "dict",
 }
 REQUIRED_ROLES = ("user", "request_time", "item", "labels")
+REQUEST_SCOPES = ("global", "day", "user")
 ACTION_ROLES = {"user": "str", "item": "str", "time": "str", "labels": "str|list", "item_features": "list"}
 TOP_KEYS = {
     "columns": None,
@@ -53,9 +62,14 @@ TOP_KEYS = {
     "max_sample_cost": 20000,
     "max_quarantine_share": 0.01,
     "seed": 0,
-    # sane time range for request / action times (UTC years)
-    "min_year": 2000,
-    "max_year": 2100,
+    # sane time range for request / action times: from January 1st of min_year (UTC) to
+    # January 1st of max_year; max_year null: no fixed end (rows at or after as-of are
+    # left for a later build, so nothing after as-of is ever built)
+    "min_year": 1970,
+    "max_year": None,
+    # how unique request ids are: global (across users; a request is (UTC day, id)),
+    # day (the same key: ids restart each UTC day), user (ids unique per user: (day, user, id))
+    "request_scope": "global",
     # skew: rows of one user are split by this time bucket before any per-user window
     "skew_bucket_seconds": 3600,
 }
@@ -79,8 +93,9 @@ class Config:
     max_sample_cost: int = 20000
     max_quarantine_share: float = 0.01
     seed: int = 0
-    min_year: int = 2000
-    max_year: int = 2100
+    min_year: int = 1970
+    max_year: int | None = None
+    request_scope: str = "global"
     skew_bucket_seconds: int = 3600
     actions: ActionsConfig | None = None
     source: str | None = field(default=None, compare=False)
@@ -108,6 +123,25 @@ class Config:
     def units_per_second(self) -> int:
         return {"s": 1, "ms": 1000, "us": 1_000_000}[self.time_unit]
 
+    def storage(self) -> Config:
+        """The same config with every column named by its storage name (as the Spark
+        frames and our tables name input columns; schemas.layout.storage_name)."""
+        n = storage_name
+        cols = {}
+        for k, v in self.columns.items():
+            if isinstance(v, str):
+                cols[k] = n(v)
+            elif isinstance(v, dict):
+                cols[k] = {r: n(c) for r, c in v.items()}
+            else:
+                cols[k] = [n(c) for c in v]
+        actions = self.actions
+        if actions is not None:
+            labels = tuple(n(c) for c in actions.labels) if isinstance(actions.labels, tuple) else n(actions.labels)
+            actions = ActionsConfig(user=n(actions.user), item=n(actions.item), time=n(actions.time), labels=labels,
+                                    item_features=tuple(n(c) for c in actions.item_features))
+        return dataclasses.replace(self, columns=cols, actions=actions)
+
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in TOP_KEYS if k != "columns"}
         out["columns"] = dict(self.columns)
@@ -124,8 +158,19 @@ class Config:
 
     # -- resolution against an input ----------------------------------------
     def layout(self, schema: pa.Schema) -> Layout:
-        """Check every mapped column against the input schema and build the layout."""
-        check_columns(self, schema)
+        """Check every mapped column against the input schema and build the layout.
+
+        ``schema``: the input's own schema (names and types as a reader of the input sees
+        them), or a layout's storage schema (which carries the input's in its metadata).
+        Errors name the input's own columns; the layout holds the storage form."""
+        source = source_schema_of(schema)
+        check_types(source)
+        check_columns(self, source)
+        cfg = self.storage()
+        schema = storage_schema(source)
+        return cfg._layout(schema)
+
+    def _layout(self, schema: pa.Schema) -> Layout:
         f = lambda c: None if c is None else schema.field(c)  # noqa: E731
         mapped = {
             self.col("user"),
@@ -143,8 +188,10 @@ class Config:
         passthrough = tuple(x for x in schema if x.name not in mapped)
         snapshot: tuple[SeqField, ...] = ()
         if self.fat:
+            # the required roles keep their names (seq_item, seq_time); others are user-named
             snapshot = tuple(
-                SeqField(role, snapshot_element_type(schema.field(c).type, c), c)
+                SeqField(role if role in ("item", "time") else field_name(storage_name(role)),
+                         snapshot_element_type(schema.field(c).type, c), c)
                 for role, c in self.sequence.items()
             )
         return Layout(
@@ -209,8 +256,17 @@ def parse(raw: Any, source: str | None = None) -> Config:
         raise ConfigError("time_unit", f"{opts['time_unit']!r} is not one of {', '.join(TIME_UNITS)}")
     for k in ("max_seq_len", "history_length", "max_sample_cost", "seed", "min_year", "max_year",
               "skew_bucket_seconds"):
+        if k == "max_year" and opts[k] is None:
+            continue
         if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 0:
             raise ConfigError(k, f"expected a non-negative integer, found {opts[k]!r}")
+    if not 1 <= opts["min_year"] <= 9999:
+        raise ConfigError("min_year", f"{opts['min_year']} is not a year (1..9999)")
+    if opts["max_year"] is not None and not opts["min_year"] < opts["max_year"] <= 9999:
+        raise ConfigError("max_year", f"{opts['max_year']} must be a year after min_year {opts['min_year']}, "
+                          "or null for no fixed end")
+    if opts["request_scope"] not in REQUEST_SCOPES:
+        raise ConfigError("request_scope", f"{opts['request_scope']!r} is not one of {', '.join(REQUEST_SCOPES)}")
     if opts["max_seq_len"] < 1:
         raise ConfigError("max_seq_len", "must be at least 1")
     if opts["history_length"] < opts["max_seq_len"]:
@@ -296,6 +352,24 @@ def _time_like(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_timestamp(t)
 
 
+def _id_like(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def check_types(schema: pa.Schema) -> None:
+    """Every input column has a type the build can store and give back."""
+    for f in schema:
+        if storage_type(f.type) is None:
+            raise ConfigError(
+                "<input>", f"column {f.name!r} is {f.type}, which the build cannot carry; cast it to a "
+                "supported type (integers, floats, decimals, booleans, strings, binary, dates, timestamps, "
+                "lists, structs and maps of these)")
+
+
 def _missing(key: str, col: str, schema: pa.Schema) -> ConfigError:
     hint = difflib.get_close_matches(col, schema.names, n=1)
     fix = f"did you mean {hint[0]!r}?" if hint else f"the input has: {', '.join(schema.names)}"
@@ -328,11 +402,16 @@ def check_columns(cfg: Config, schema: pa.Schema) -> None:
             )
     for role in ("request_time", "action_time"):
         c = cfg.col(role)
-        if c is not None and not _time_like(schema.field(c).type):
+        if c is not None and not _time_like(_plain(schema.field(c).type)):
             raise ConfigError(
                 f"columns.{role}", f"column {c!r} is {schema.field(c).type}; expected integer epoch "
                 f"({cfg.time_unit}) or a timestamp",
             )
+    for role in ("user", "request", "item"):
+        c = cfg.col(role)
+        if c is not None and not _id_like(_plain(schema.field(c).type)):
+            raise ConfigError(f"columns.{role}", f"column {c!r} is {schema.field(c).type}; an id must be an integer "
+                              "or a string column")
     if cfg.col("position") and not pa.types.is_integer(schema.field(cfg.col("position")).type):
         raise ConfigError("columns.position", f"column {cfg.col('position')!r} must be an integer column")
     used: dict[str, str] = {}
@@ -346,9 +425,14 @@ def check_columns(cfg: Config, schema: pa.Schema) -> None:
 
 
 def check_actions_columns(cfg: Config, schema: pa.Schema) -> None:
+    """The action log's mapped columns exist with usable types (``schema``: the log's own
+    schema, or its storage form as a Spark frame names it)."""
     a = cfg.actions
     if a is None:
         raise ConfigError("columns.actions", "--actions was given but the config has no `actions:` section")
+    if not all(c in schema.names for c in (a.user, a.item, a.time)) and \
+            all(storage_name(c) in schema.names for c in (a.user, a.item, a.time)):
+        a = cfg.storage().actions
     for role in ("user", "item", "time"):
         c = getattr(a, role)
         if c not in schema.names:

@@ -16,10 +16,28 @@ Naming in our tables (one rule, used by every table):
   action time, labels, item features and every unmapped column).
 - ``seq_<field>``: a sequence field (lean: ``ts``, ``item``, ``action`` and one
   per item feature; fat: one per configured snapshot role).
+
+User-named columns never collide with ours:
+- ``<col>`` above is the input column's *storage name* (:func:`storage_name`):
+  the input name itself unless it holds a character that Spark column paths or
+  Delta refuse (space, ``.``, ``,;{}()=``, tab, newline, backtick), a ``%``, or
+  starts with ``_`` (our working columns' prefix); those characters are written
+  ``%XX`` (the name is percent-encoded, :func:`input_name` reverses it).
+- a feature or snapshot role whose name is one of ours (:data:`RESERVED`:
+  ``ts``, ``item``, ``action``, ``len``, ...) gets a leading ``_`` in its
+  field name (``seq__len``, ``ev__action``); storage names never start with
+  ``_``, so the two sets of names are disjoint.
+
+The layout keeps both forms of the input's schema: :attr:`Layout.input_schema`
+holds the storage names and the types Spark stores (timestamps as UTC
+microseconds, unsigned integers widened, nanosecond timestamps as int64), and
+:attr:`Layout.source_schema` the input's own names and types, which ``expand``
+gives back.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 
@@ -33,6 +51,89 @@ EV = "ev_"
 SNAP = "snap_"
 
 TIME_UNITS = ("s", "ms", "us")
+
+# Names of our own sequence and event fields (after seq_, ev_, ovr_, snap_) and of the
+# samples' seq_len: a user's feature or snapshot role of one of these names is stored as _<name>.
+RESERVED = frozenset({"ts", "item", "action", "len", "time", "req", "req_time", "req_id", "pos", "offsets",
+                      "user", "date", "kind", "chunk"})
+# Characters a storage name writes as %XX: Spark column paths (., `), Delta's refused
+# characters (space , ; { } ( ) newline tab =) and the escape itself.
+_ESCAPE = frozenset(" ,;{}()\n\t=.`%")
+SOURCE_KEY = b"userwise.source_schema"
+
+
+def storage_name(name: str) -> str:
+    """The input column's name in our tables and Spark frames (see the module docstring)."""
+    out = "".join(f"%{ord(ch):02X}" if ch in _ESCAPE else ch for ch in name)
+    return "%5F" + out[1:] if out.startswith("_") else out
+
+
+def input_name(storage: str) -> str:
+    """Inverse of :func:`storage_name`."""
+    from urllib.parse import unquote
+
+    return unquote(storage)
+
+
+def field_name(name: str) -> str:
+    """A user-named sequence / event field (a feature's storage name, a snapshot role)."""
+    return "_" + name if name in RESERVED or name.startswith("_") else name
+
+
+def storage_type(t: pa.DataType) -> pa.DataType | None:
+    """The Arrow form of what Spark reads (and our tables store) for an input type;
+    None for a type the build cannot carry."""
+    if pa.types.is_dictionary(t):
+        return storage_type(t.value_type)
+    if pa.types.is_boolean(t) or pa.types.is_int8(t) or pa.types.is_int16(t) or pa.types.is_int32(t) \
+            or pa.types.is_int64(t) or pa.types.is_float32(t) or pa.types.is_float64(t) \
+            or pa.types.is_date32(t) or pa.types.is_decimal128(t):
+        return t
+    unsigned = {pa.uint8(): pa.int16(), pa.uint16(): pa.int32(), pa.uint32(): pa.int64(),
+                pa.uint64(): pa.decimal128(20, 0)}
+    if t in unsigned:
+        return unsigned[t]
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_date64(t):
+        return pa.date32()
+    if pa.types.is_timestamp(t):
+        if t.unit == "ns":  # Spark reads Parquet nanoseconds as int64 (nanosAsLong)
+            return pa.int64()
+        return pa.timestamp("us", tz="UTC") if t.tz else pa.timestamp("us")
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        v = storage_type(t.value_type)
+        return None if v is None else pa.list_(pa.field("element", v, True))
+    if pa.types.is_struct(t):
+        fs = [(f, storage_type(f.type)) for f in t]
+        if any(v is None for _, v in fs):
+            return None
+        return pa.struct([pa.field(f.name, v, f.nullable) for f, v in fs])
+    if pa.types.is_map(t):
+        k, v = storage_type(t.key_type), storage_type(t.item_type)
+        return None if k is None or v is None else pa.map_(k, v)
+    return None
+
+
+def source_schema_of(schema: pa.Schema) -> pa.Schema:
+    """The input's own schema: carried in a storage schema's metadata, else ``schema`` itself."""
+    md = schema.metadata or {}
+    if SOURCE_KEY in md:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(md[SOURCE_KEY])))
+    return schema
+
+
+def storage_schema(source: pa.Schema) -> pa.Schema:
+    """Storage names and types for an input schema (every type supported: see
+    config.check_types), the source schema kept in its metadata."""
+    if SOURCE_KEY in (source.metadata or {}):
+        return source
+    fields = [pa.field(storage_name(f.name), storage_type(f.type), f.nullable) for f in source]
+    plain = pa.schema([pa.field(f.name, f.type, f.nullable) for f in source])
+    md = {SOURCE_KEY: base64.b64encode(plain.serialize().to_pybytes())}
+    return pa.schema(fields, metadata=md)
 
 
 @dataclass(frozen=True)
@@ -81,7 +182,7 @@ class Layout:
         out = {}
         if self.request is not None:
             out[self.request.name] = "req_id"
-        if pa.types.is_int64(self.request_time.type) and self.request_time.name not in out:
+        if pa.types.is_int64(self.source_type(self.request_time.name)) and self.request_time.name not in out:
             out[self.request_time.name] = "req_time"
         return out
 
@@ -91,6 +192,15 @@ class Layout:
         derived ones (which every request-level check still covers)."""
         derived = self.derived_request_columns
         return tuple(f for f in self.request_columns if f.name not in derived)
+
+    @property
+    def source_schema(self) -> pa.Schema:
+        """The input's own names and types, in input order (what ``expand`` gives back)."""
+        return source_schema_of(self.input_schema)
+
+    def source_type(self, name: str) -> pa.DataType:
+        """The input's own type of the column stored as ``name``."""
+        return self.source_schema.field(self.input_schema.get_field_index(name)).type
 
     @property
     def snapshot_columns(self) -> tuple[str, ...]:
@@ -113,7 +223,7 @@ class Layout:
         if self.fat:
             return self.snapshot
         out = [SeqField("ts", pa.int64()), SeqField("item", self.item.type)]
-        out += [SeqField(f.name, f.type, f.name) for f in self.item_features]
+        out += [SeqField(field_name(f.name), f.type, f.name) for f in self.item_features]
         out.append(SeqField("action", pa.int64()))
         return tuple(out)
 

@@ -38,6 +38,8 @@ def test_valid_lean_and_fat():
     (lambda c: c.update(max_quarantine_share=2), "max_quarantine_share", "share"),
     (lambda c: c["columns"].update(labels="click"), "columns.labels", "list of column names"),
     (lambda c: c["columns"].update(action_labels=["dwell"]), "columns.action_labels", "not one of"),
+    (lambda c: c.update(request_scope="session"), "request_scope", "not one of"),
+    (lambda c: c.update(min_year=2000, max_year=1999), "max_year", "after min_year"),
 ])
 def test_bad_config_names_the_key(mutate, key, words):
     c = copy.deepcopy(LEAN_CFG)
@@ -55,6 +57,7 @@ def test_bad_config_names_the_key(mutate, key, words):
     (lambda c: c["columns"].update(request_time="device"), "columns.request_time", "expected integer epoch"),
     (lambda c: c["columns"].update(sequence={"item": "item_id", "time": "request_ts"}),
      "columns.sequence.item", "not a list column"),
+    (lambda c: c["columns"].update(user="score"), "columns.user", "an id must be an integer or a string"),
 ])
 def test_config_against_input(mutate, key, words):
     c = copy.deepcopy(LEAN_CFG)
@@ -85,3 +88,44 @@ def test_actions_section():
     c["columns"]["actions"]["item_features"] = ["cat"]
     with pytest.raises(C.ConfigError, match="one action-log column per impression item feature"):
         C.parse(c)
+
+
+def test_defaults_take_any_real_log():
+    c = C.parse({k: v for k, v in LEAN_CFG.items() if k not in ("min_year", "max_year")})
+    assert (c.min_year, c.max_year, c.request_scope) == (1970, None, "global")
+    assert C.parse(dict(c.to_dict(), max_year=None)).max_year is None
+
+
+def test_a_type_the_build_cannot_carry_is_refused_by_name():
+    import pyarrow as pa
+
+    sch = S.SYNTH_IMPRESSIONS.to_arrow().append(pa.field("half", pa.float16()))
+    with pytest.raises(C.ConfigError, match="column 'half' is halffloat, which the build cannot carry"):
+        C.parse(LEAN_CFG).layout(sch)
+
+
+def test_odd_names_and_our_names_never_collide():
+    """Input columns get storage names (percent-encoded where Spark or Delta would refuse
+    them, and where they start with our working prefix `_`); user-named sequence fields
+    equal to ours get a leading `_`. The source schema keeps the input's own names and types."""
+    import pyarrow as pa
+
+    from userwise.schemas.layout import input_name, storage_name
+
+    for n in ("user.id", "item price", "_user", "a,b;c{d}(e)=f\tg\nh`i", "50%", "plain", "ünï"):
+        assert input_name(storage_name(n)) == n
+        assert not storage_name(n).startswith("_") and not set(storage_name(n)) & set(" .,;{}()=`\t\n")
+    sch = pa.schema([("user.id", pa.uint32()), ("t", pa.timestamp("ns", tz="Asia/Tokyo")), ("item", pa.string()),
+                     ("click", pa.int8()), ("len", pa.int32()), ("action", pa.int8()), ("ts", pa.int64()),
+                     ("item price", pa.float64())])
+    cfg = C.parse({"columns": {"user": "user.id", "request_time": "t", "item": "item", "labels": ["click"],
+                               "item_features": ["len", "action", "ts", "item price"]}})
+    lay = cfg.layout(sch)
+    assert lay.input_schema.names == ["user%2Eid", "t", "item", "click", "len", "action", "ts", "item%20price"]
+    assert lay.input_schema.field("t").type == pa.int64() and lay.input_schema.field("user%2Eid").type == pa.int64()
+    assert lay.source_schema == sch
+    assert [s.name for s in lay.seq_fields] == ["ts", "item", "_len", "_action", "_ts", "item%20price", "action"]
+    assert "t" not in lay.derived_request_columns  # a ns timestamp is not the int64 time itself
+    for t in (S.samples_schema(lay), S.events_schema(lay), S.requests_schema(lay), S.history_schema(lay)):
+        assert len(t.names) == len(set(t.names)), t.names
+    assert cfg.layout(lay.input_schema) == lay  # a build record's storage schema resolves to the same layout
