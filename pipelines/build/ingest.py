@@ -20,6 +20,8 @@ from pyspark.sql import types as T
 from userwise import schemas as S
 from userwise.pipelines.config import Config
 from userwise.schemas import EV, IMP, REQ, SNAP, Layout
+from userwise.schemas import reasons as R
+from userwise.schemas.layout import field_name, input_name
 
 SECONDS_PER_DAY = 86400
 
@@ -33,7 +35,15 @@ class Canon:
     input_cols: tuple[str, ...]
 
 
-def _to_units(c: Column, t: T.DataType, ups: int) -> Column:
+def _to_units(c: Column, t: T.DataType, ups: int, source=None) -> Column:
+    """An input time in time units (``ups`` per second): an integer epoch is taken as it is,
+    a timestamp (zoned or not: UTC) converted; ``source`` (the input's Arrow type) tells a
+    nanosecond timestamp, which Spark reads as int64."""
+    import pyarrow as pa
+
+    if source is not None and pa.types.is_timestamp(source) and source.unit == "ns" \
+            and isinstance(t, T.LongType):
+        return F.floor(c / F.lit(1_000_000_000 // ups)).cast("long")
     if isinstance(t, (T.TimestampType, T.TimestampNTZType)):
         micros = F.unix_micros(c.cast("timestamp"))
         return F.floor(micros / F.lit(1_000_000 // ups)).cast("long") if ups < 1_000_000 else micros
@@ -59,30 +69,43 @@ def _bits(cols: list[str]) -> Column:
     return e
 
 
-def canonical(cfg: Config, df: DataFrame, input_cols: list[str]) -> Canon:
-    """Add the canonical columns. ``df`` holds the input columns plus _file, _row."""
+def source_schema(df: DataFrame, input_cols) -> "pa.Schema":  # noqa: F821
+    """The input's own schema (names and Arrow types) of a frame from inputs.read_spark,
+    whose columns carry it in their metadata (else: the Spark types' Arrow form)."""
     import pyarrow as pa
 
+    from userwise.pipelines.build.inputs import source_field
     from userwise.schemas.core import spark_to_arrow
 
-    arrow = pa.schema([pa.field(f.name, spark_to_arrow(f.dataType), f.nullable)
-                       for f in df.schema.fields if f.name in input_cols])
-    layout = cfg.layout(arrow)
+    fields = []
+    for f in df.schema.fields:
+        if f.name in input_cols:
+            src = source_field(f)
+            fields.append(src if src is not None else pa.field(input_name(f.name), spark_to_arrow(f.dataType),
+                                                               f.nullable))
+    return pa.schema(fields)
+
+
+def canonical(cfg: Config, df: DataFrame, input_cols: list[str]) -> Canon:
+    """Add the canonical columns. ``df`` holds the input columns (storage names, as
+    inputs.read_spark gives them) plus _file, _row."""
+    layout = cfg.layout(source_schema(df, input_cols))
+    sc = cfg.storage()
     ups = cfg.units_per_second
     types = {f.name: f.dataType for f in df.schema.fields}
-    rt = _to_units(F.col(cfg.col("request_time")), types[cfg.col("request_time")], ups)
-    at_col = cfg.col("action_time")
-    at = _to_units(F.col(at_col), types[at_col], ups) if at_col else rt
-    req = F.col(cfg.col("request")) if cfg.col("request") else rt
-    pos = F.col(cfg.col("position")).cast("long") if cfg.col("position") else None
+    rt_col, at_col = sc.col("request_time"), sc.col("action_time")
+    rt = _to_units(F.col(rt_col), types[rt_col], ups, layout.source_type(rt_col))
+    at = _to_units(F.col(at_col), types[at_col], ups, layout.source_type(at_col)) if at_col else rt
+    req = F.col(sc.col("request")) if sc.col("request") else rt
+    pos = F.col(sc.col("position")).cast("long") if sc.col("position") else None
     out = df.select(
         "*",
-        F.col(cfg.col("user")).alias("_user"),
+        F.col(sc.col("user")).alias("_user"),
         req.alias("_req"),
         rt.alias("_rt"),
         at.alias("_at"),
-        F.col(cfg.col("item")).alias("_item"),
-        _bits(list(cfg.action_labels)).alias("_bits"),
+        F.col(sc.col("item")).alias("_item"),
+        _bits(list(sc.action_labels)).alias("_bits"),
     ).withColumn("_date", day_of(F.col("_rt"), ups))
     if pos is None:
         # Input order within the request: the row's place in its file.
@@ -105,40 +128,83 @@ def _is_bad_number(c: Column, t: T.DataType) -> Column:
     return c.isNull()
 
 
+def time_range(cfg: Config) -> tuple[int, int | None, str]:
+    """The sane time range in time units: [min_year, max_year) (no end when max_year is
+    null: rows at or after as-of are left for a later build) and its description."""
+    import datetime as dt
+
+    ups = cfg.units_per_second
+    lo = day_start(dt.date(cfg.min_year, 1, 1), ups)
+    hi = None if cfg.max_year is None else day_start(dt.date(cfg.max_year, 1, 1), ups)
+    what = f"before min_year {cfg.min_year}" if hi is None else \
+        f"outside [min_year {cfg.min_year}, max_year {cfg.max_year})"
+    return lo, hi, what
+
+
+def _outside(c: Column, lo: int, hi: int | None) -> Column:
+    return (c < lo) if hi is None else ((c < lo) | (c >= hi))
+
+
 def row_reasons(cfg: Config, canon: Canon) -> DataFrame:
     """Per-row checks: adds ``_reason``, ``_column``, ``_detail`` (null when the row is fine)."""
     df = canon.df
-    ups = cfg.units_per_second
+    sc = cfg.storage()
     types = {f.name: f.dataType for f in df.schema.fields}
-    lo = day_start(__import__("datetime").date(cfg.min_year, 1, 1), ups)
-    hi = day_start(__import__("datetime").date(cfg.max_year, 1, 1), ups)
+    lo, hi, outside = time_range(cfg)
     checks: list[tuple[Column, str, str, str]] = [
-        (F.col("_user").isNull(), "null_user", cfg.col("user"), "user key is null"),
+        (F.col("_user").isNull(), R.NULL_USER, cfg.col("user"), "user key is null"),
     ]
     if cfg.col("request"):
-        checks.append((F.col("_req").isNull(), "null_request", cfg.col("request"), "request key is null"))
+        checks.append((F.col("_req").isNull(), R.NULL_REQUEST, cfg.col("request"), "request key is null"))
     checks += [
-        (F.col("_rt").isNull(), "null_time", cfg.col("request_time"), "request time is null"),
-        ((F.col("_rt") < lo) | (F.col("_rt") >= hi), "bad_time", cfg.col("request_time"),
-         f"request time outside [{cfg.min_year}, {cfg.max_year})"),
-        (F.col("_item").isNull(), "null_item", cfg.col("item"), "item is null"),
+        (F.col("_rt").isNull(), R.NULL_TIME, cfg.col("request_time"), "request time is null"),
+        (_outside(F.col("_rt"), lo, hi), R.BAD_TIME, cfg.col("request_time"), f"request time {outside}"),
+        (F.col("_item").isNull(), R.NULL_ITEM, cfg.col("item"), "item is null"),
     ]
     if cfg.col("position"):
-        checks.append((F.col("_pos").isNull(), "null_position", cfg.col("position"), "position is null"))
-    for c in cfg.cols("labels"):
-        checks.append((_is_bad_number(F.col(c), types[c]), "bad_label", c, "label is null, NaN or infinite"))
+        checks.append((F.col("_pos").isNull(), R.NULL_POSITION, cfg.col("position"), "position is null"))
+    for c, s in zip(cfg.cols("labels"), sc.cols("labels")):
+        checks.append((_is_bad_number(F.col(s), types[s]), R.BAD_LABEL, c, "label is null, NaN or infinite"))
     if cfg.col("action_time"):
         act = F.col("_bits") > 0
-        checks.append((act & F.col("_at").isNull(), "null_action_time", cfg.col("action_time"),
+        checks.append((act & F.col("_at").isNull(), R.NULL_ACTION_TIME, cfg.col("action_time"),
                        "an action without an action time"))
-        checks.append((act & ((F.col("_at") < lo) | (F.col("_at") >= hi)), "bad_time", cfg.col("action_time"),
-                       f"action time outside [{cfg.min_year}, {cfg.max_year})"))
-        checks.append((act & (F.col("_at") < F.col("_rt")), "action_before_request", cfg.col("action_time"),
+        checks.append((act & _outside(F.col("_at"), lo, hi), R.BAD_TIME, cfg.col("action_time"),
+                       f"action time {outside}"))
+        checks.append((act & (F.col("_at") < F.col("_rt")), R.ACTION_BEFORE_REQUEST, cfg.col("action_time"),
                        "the action is timed before its own request"))
     if "date" in canon.input_cols and isinstance(types.get("date"), T.DateType):
-        checks.append((F.col("_date") != F.col("date"), "wrong_partition", "date",
+        checks.append((F.col("_date") != F.col("date"), R.WRONG_PARTITION, "date",
                        "the row is filed under another day than its request time's UTC day"))
     return first_reason(df, checks)
+
+
+# The config key that governs each reason: what a refused build's error points to when one
+# reason makes up most of the quarantine.
+GOVERNING_KEYS = {
+    R.BAD_TIME: "min_year, max_year and time_unit",
+    R.WRONG_PARTITION: "time_unit (the rows' days follow from their request times)",
+    R.REQUEST_USER_CONFLICT: "request_scope (user: ids are unique per user only)",
+    R.NULL_USER: "columns.user", R.NULL_REQUEST: "columns.request", R.NULL_TIME: "columns.request_time",
+    R.NULL_ITEM: "columns.item", R.NULL_POSITION: "columns.position", R.BAD_LABEL: "columns.labels",
+    R.NULL_ACTION_TIME: "columns.action_time", R.ACTION_BEFORE_REQUEST: "columns.action_time",
+    R.POSITION_CONFLICT: "columns.position", R.REQUEST_INCONSISTENT: "columns.context_features and user_features",
+    R.SNAPSHOT_MISMATCH: "columns.sequence",
+}
+
+
+def limit_hint(quarantined: dict[str, int]) -> str:
+    """For a refused build's error: the config key that governs the reason that makes up
+    most (over half) of the quarantined rows, e.g. ``; 97% of them are bad_time: check
+    min_year, max_year and time_unit``; empty when no reason dominates."""
+    total = sum(quarantined.values())
+    if not total:
+        return ""
+    reason, n = max(quarantined.items(), key=lambda kv: kv[1])
+    key = GOVERNING_KEYS.get(reason)
+    if n * 2 <= total or key is None:
+        return ""
+    return f"; {n / total:.0%} of them are {reason}: check {key}"
 
 
 def first_reason(df: DataFrame, checks: list[tuple[Column, str, str | None, str]]) -> DataFrame:
@@ -163,8 +229,14 @@ def _mark(df: DataFrame, cond: Column, reason: str, column: str | None, detail: 
 
 
 def request_keys(cfg: Config) -> list[str]:
-    """A request is (day, request key), or (day, user, time) without a request column."""
-    return ["_date", "_req"] if cfg.col("request") else ["_date", "_user", "_req"]
+    """What makes a request: (UTC day, request id) when ids are unique across users
+    (request_scope global or day), (day, user, request id) when they are unique per user
+    (request_scope user), and (day, user, request time) without a request column. Each
+    key holds one user and one request time, so (user, req_id, req_time) is unique in the
+    requests table and (req_time, req_id) orders a user's requests totally."""
+    if cfg.col("request") and cfg.request_scope != "user":
+        return ["_date", "_req"]
+    return ["_date", "_user", "_req"]
 
 
 SNAP_KEEP = "_snap_keep"  # fat rows: the one accepted row per request that keeps the snapshot
@@ -194,7 +266,7 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     wdup = Window.partitionBy(ok, *rk, *pos, "_h").orderBy("_file", "_row")
     row = F.struct(*cols)
     df = df.withColumn("_dup", F.coalesce(F.lag(row).over(wdup).eqNullSafe(row), F.lit(False)))
-    df = _mark(df, F.col("_dup"), "duplicate_row", None, "an exact copy of an earlier row")
+    df = _mark(df, F.col("_dup"), R.DUPLICATE_ROW, None, "an exact copy of an earlier row")
     # Request-level checks share one window over the request's rows: a request claimed by
     # two users, request-level columns that disagree, and (fat rows) impressions that carry
     # different snapshots. Each rejects the whole request; the first that applies names the
@@ -202,17 +274,17 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     wreq = Window.partitionBy(ok, *rk).rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     differs = lambda key: ~F.min(key).over(wreq).eqNullSafe(F.max(key).over(wreq))  # noqa: E731
     checks = []
-    if cfg.col("request"):
-        checks.append(("_c_user", differs(F.col("_user")), "request_user_conflict", cfg.col("request"),
+    if cfg.col("request") and cfg.request_scope != "user":
+        checks.append(("_c_user", differs(F.col("_user")), R.REQUEST_USER_CONFLICT, cfg.col("request"),
                        "the request id is used by more than one user"))
     req_cols = [f.name for f in layout.request_columns]
     if req_cols:
         key = F.struct(*[F.struct(F.col(c).isNull(), F.col(c)) for c in req_cols])
-        checks.append(("_c_req", differs(key), "request_inconsistent", ",".join(req_cols),
+        checks.append(("_c_req", differs(key), R.REQUEST_INCONSISTENT, ",".join(map(input_name, req_cols)),
                        "request-level columns differ between the request's rows"))
     if layout.fat:
         snap = F.struct(*[F.struct(F.col(s.source).isNull(), F.col(s.source)) for s in layout.snapshot])
-        checks.append(("_c_snap", differs(snap), "snapshot_mismatch", ",".join(layout.snapshot_columns),
+        checks.append(("_c_snap", differs(snap), R.SNAPSHOT_MISMATCH, ",".join(map(input_name, layout.snapshot_columns)),
                        "impressions of one request carry different snapshots"))
     if checks:
         df = df.select("*", *[c.alias(n) for n, c, *_ in checks])
@@ -224,7 +296,7 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
         # (Without a position column the position is the row's place in its request: unique.)
         wpos = Window.partitionBy(ok, *rk, "_pos").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
         live = F.count(F.when(F.col("_reason").isNull(), F.lit(1))).over(wpos)
-        df = _mark(df, live > 1, "position_conflict", cfg.col("position"),
+        df = _mark(df, live > 1, R.POSITION_CONFLICT, cfg.col("position"),
                    "rows of one request share a position with different content")
     if layout.fat:
         # All accepted rows of a request carry one snapshot (proven above): only the first
@@ -254,7 +326,8 @@ def quarantine_rows(df: DataFrame, input_cols: tuple[str, ...], source: str) -> 
         F.col("_detail").alias("detail"),
         F.col("_file").alias("input_file"),
         F.col("_row").alias("input_row"),
-        F.to_json(F.struct(*[F.col(c) for c in input_cols]), {"ignoreNullFields": "false"}).alias("row"),
+        F.to_json(F.struct(*[F.col(c).alias(input_name(c)) for c in input_cols]),
+                  {"ignoreNullFields": "false"}).alias("row"),
     )
 
 
@@ -304,35 +377,37 @@ def impression_events(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFra
         F.col("_rt").alias(EV + "req_time"), F.col("_req").alias(EV + "req_id"), F.col("_pos").alias(EV + "pos"),
         F.col("_item").alias(EV + "item"),
     ]
-    cols += [F.col(f.name).alias(EV + f.name) for f in layout.item_features]
+    cols += [F.col(f.name).alias(EV + field_name(f.name)) for f in layout.item_features]
     cols.append(F.col("_bits").alias(EV + "action"))
     return accepted.where(F.col("_bits") > 0).select(cols)
 
 
 def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, DataFrame]:
-    """A separate action log -> (valid events in the events schema, rows with a reason)."""
-    a = cfg.actions
+    """A separate action log -> (valid events in the events schema, rows with a reason).
+    ``df``: the log as inputs.read_spark gives it (columns under their storage names)."""
+    from userwise.pipelines.build.inputs import source_field
+
+    a = cfg.storage().actions
     ups = cfg.units_per_second
     types = {f.name: f.dataType for f in df.schema.fields}
-    ts = _to_units(F.col(a.time), types[a.time], ups)
+    src_t = source_field(df.schema[a.time])
+    ts = _to_units(F.col(a.time), types[a.time], ups, None if src_t is None else src_t.type)
     if isinstance(a.labels, tuple):
         bits = _bits(list(a.labels))
         label_cols = list(a.labels)
     else:
         bits = F.col(a.labels).cast("long")
         label_cols = [a.labels]
-    lo = day_start(__import__("datetime").date(cfg.min_year, 1, 1), ups)
-    hi = day_start(__import__("datetime").date(cfg.max_year, 1, 1), ups)
+    lo, hi, outside = time_range(cfg)
     x = df.select("*", F.col(a.user).alias("_user"), ts.alias("_at"), F.col(a.item).alias("_item"),
                   bits.alias("_bits")).withColumn("_date", day_of(F.col("_at"), ups))
     checks = [
-        (F.col("_user").isNull(), "null_user", a.user, "user key is null"),
-        (F.col("_at").isNull(), "null_time", a.time, "action time is null"),
-        ((F.col("_at") < lo) | (F.col("_at") >= hi), "bad_time", a.time,
-         f"action time outside [{cfg.min_year}, {cfg.max_year})"),
-        (F.col("_item").isNull(), "null_item", a.item, "item is null"),
+        (F.col("_user").isNull(), R.NULL_USER, input_name(a.user), "user key is null"),
+        (F.col("_at").isNull(), R.NULL_TIME, input_name(a.time), "action time is null"),
+        (_outside(F.col("_at"), lo, hi), R.BAD_TIME, input_name(a.time), f"action time {outside}"),
+        (F.col("_item").isNull(), R.NULL_ITEM, input_name(a.item), "item is null"),
     ]
-    checks += [(_is_bad_number(F.col(c), types[c]), "bad_label", c, "label is null, NaN or infinite")
+    checks += [(_is_bad_number(F.col(c), types[c]), R.BAD_LABEL, input_name(c), "label is null, NaN or infinite")
                for c in label_cols]
     x = first_reason(x, checks)
     ok = x.where(F.col("_reason").isNull() & (F.col("_bits") > 0))
@@ -345,6 +420,6 @@ def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, D
         F.col("_item").cast(S.arrow_to_spark(ev_types[EV + "item"])).alias(EV + "item"),
     ]
     for f, src in zip(layout.item_features, a.item_features):
-        cols.append(F.col(src).cast(S.arrow_to_spark(f.type)).alias(EV + f.name))
+        cols.append(F.col(src).cast(S.arrow_to_spark(f.type)).alias(EV + field_name(f.name)))
     cols.append(F.col("_bits").alias(EV + "action"))
     return ok.select(cols), x

@@ -1,39 +1,135 @@
-"""`userwise validate`: check a config against an input's schema and a sample of rows."""
+"""`userwise validate`: the build's front door, without a JVM.
+
+It refuses, with the build's own one-line error, everything the build would refuse
+for the config, the inputs, the column names or types (the same functions check
+both: ``config.parse``, ``inputs.resolve``, ``Config.layout``), and warns, from a
+sample of rows, about what the build would quarantine en masse: rows with a null
+key or a bad label, times outside the sane range, a ``time_unit`` that does not fit
+the data, request ids shared by users within a day.
+"""
 
 from __future__ import annotations
+
+import datetime as dt
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from userwise.pipelines import config as C
 from userwise.pipelines.build.inputs import arrow_dataset, input_schema
+from userwise.pipelines.errors import UserwiseError
+
+UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
+_TS_PER_SECOND = {"s": 1, "ms": 1000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def _epoch(col: pa.ChunkedArray, time_unit: str) -> pa.ChunkedArray:
+    """A time column in time units (int64): an integer as it is, a timestamp converted."""
+    t = col.type
+    if pa.types.is_dictionary(t):
+        col, t = col.cast(t.value_type), t.value_type
+    if pa.types.is_timestamp(t):
+        raw = col.cast(pa.timestamp(t.unit)).cast(pa.int64())
+        num, den = UNITS[time_unit], _TS_PER_SECOND[t.unit]
+        return pc.multiply(raw, num // den) if num >= den else pc.divide(raw, den // num)
+    return col.cast(pa.int64())
+
+
+def _plausible_year(v: float, ups: int) -> float:
+    return 1970 + v / ups / (365.2425 * 86400)
+
+
+def _unit_hint(cfg: C.Config, col: pa.ChunkedArray, name: str) -> str | None:
+    """A time_unit that fits an integer time column better than the configured one."""
+    if not pa.types.is_integer(col.type):
+        return None
+    vals = col.drop_null()
+    if not len(vals):
+        return None
+    med = float(pc.approximate_median(vals).as_py())
+    this_year = dt.date.today().year
+    fits = [u for u, ups in UNITS.items() if 1971 <= _plausible_year(med, ups) <= this_year + 1]
+    if cfg.time_unit in fits or not fits:
+        return None
+    u = fits[0]
+    return (f"{name!r} looks like epoch {'seconds' if u == 's' else u} (its median {int(med)} is the year "
+            f"{int(_plausible_year(med, UNITS[u]))} in {u}, {int(_plausible_year(med, cfg.units_per_second))} "
+            f"in time_unit {cfg.time_unit}): set time_unit: {u}")
 
 
 def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
-    """Row-level problems in a sample (the build quarantines such rows)."""
+    """What the build would quarantine, seen in a sample of rows (``table``: input names)."""
     out = []
+    n_rows = table.num_rows
+    if not n_rows:
+        return out
     for role in ("user", "request_time", "item"):
         c = cfg.col(role)
         n = table[c].null_count
         if n:
-            out.append(f"{n} of {table.num_rows} sampled rows have a null {role} ({c!r}); they will be quarantined")
+            out.append(f"{n} of {n_rows} sampled rows have a null {role} ({c!r}); they will be quarantined")
     for c in cfg.cols("labels"):
         col = table[c]
         if pa.types.is_floating(col.type):
             bad = pc.sum(pc.invert(pc.is_finite(col.fill_null(0)))).as_py() or 0
             if bad:
                 out.append(f"{bad} sampled rows have a NaN or infinite label {c!r}; they will be quarantined")
+    import datetime as _dt
+
+    ups = cfg.units_per_second
+    lo = (_dt.date(cfg.min_year, 1, 1) - _dt.date(1970, 1, 1)).days * 86400 * ups
+    hi = None if cfg.max_year is None else (_dt.date(cfg.max_year, 1, 1) - _dt.date(1970, 1, 1)).days * 86400 * ups
+    rt_name = cfg.col("request_time")
+    seen = None  # rows already warned about (an action time is checked where the request time is fine)
+    for role in ("request_time", "action_time"):
+        c = cfg.col(role)
+        if c is None or (role == "action_time" and c == rt_name):
+            continue
+        hint = _unit_hint(cfg, table[c], c)
+        if hint:
+            out.append(hint)
+        t = _epoch(table[c], cfg.time_unit)
+        bad = pc.less(t, lo) if hi is None else pc.or_(pc.less(t, lo), pc.greater_equal(t, hi))
+        bad = bad.fill_null(False)
+        if seen is not None:
+            bad = pc.and_(bad, pc.invert(seen))
+        seen = bad
+        k = pc.sum(bad.cast(pa.int64())).as_py() or 0
+        if k:
+            where = f"before min_year {cfg.min_year}" if hi is None else \
+                f"outside [min_year {cfg.min_year}, max_year {cfg.max_year})"
+            out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) have a {role} ({c!r}) {where}; "
+                       f"they will be quarantined as bad_time: set min_year"
+                       f"{'' if hi is None else '/max_year'} (or time_unit) to fit the log")
+    req = cfg.col("request")
+    if req and cfg.request_scope != "user":
+        rt = _epoch(table[rt_name], cfg.time_unit)
+        day = pc.floor(pc.divide(rt.cast(pa.float64()), 86400 * ups))
+        t = pa.table({"d": day, "r": table[req], "u": table[cfg.col("user")]}).drop_null()
+        g = t.group_by(["d", "r"]).aggregate([("u", "count_distinct"), ("u", "count")])
+        shared = g.filter(pc.greater(g["u_count_distinct"], 1))
+        k = pc.sum(shared["u_count"]).as_py() or 0
+        if k:
+            out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) are in requests whose id {req!r} is used "
+                       f"by more than one user within a UTC day; they will be quarantined as request_user_conflict: "
+                       f"if ids are unique per user only (e.g. they restart every local day), set request_scope: user")
     return out
 
 
 def cli(args) -> int:
     cfg = C.load(args.config)
+    if cfg.fat and args.actions:  # the build's own check (range.build)
+        raise UserwiseError("--actions is for lean input; fat rows carry their own sequence")
+    dset = arrow_dataset(args.input)
     schema = input_schema(args.input)
     layout = cfg.layout(schema)
     if args.actions:
-        C.check_actions_columns(cfg, input_schema(args.actions))
-    dset = arrow_dataset(args.input)
+        a_schema = input_schema(args.actions)
+        C.check_types(a_schema)
+        C.check_actions_columns(cfg, a_schema)
     sample = dset.head(args.sample_rows)
+    sample = sample.cast(pa.schema([pa.field(f.name, t.type, f.nullable)
+                                    for f, t in zip(sample.schema, schema)])) if sample.schema != schema else sample
     problems = sample_problems(cfg, sample)
     print(f"config {args.config}: ok for {args.input} ({'fat rows' if layout.fat else 'lean log'}, "
           f"{len(schema)} columns, {len(layout.passthrough)} carried through unmapped)")

@@ -50,6 +50,7 @@ import yaml
 
 from userwise import schemas as S
 from userwise.pipelines.errors import UserwiseError
+from userwise.schemas import reasons as R
 
 MS_PER_HOUR = 3_600_000
 MS_PER_DAY = 86_400_000
@@ -57,15 +58,16 @@ BLOCK = 1024
 """Users per random-number block: the unit of determinism (never change it lightly)."""
 
 KINDS = ("lean", "fat", "actions")
+# The injected faults, named by the quarantine reason the build gives them (schemas/reasons.py)
 BAD_REASONS = (
-    "null_user",  # user_id is null
-    "null_item",  # item_id is null
-    "null_request_ts",  # request_ts is null
-    "time_out_of_range",  # request_ts in the 1990s (before config min_year 2000)
-    "action_before_request",  # click=1 and action_ts < request_ts
-    "duplicate_row",  # an exact copy of a clean, unclicked row
-    "request_id_reused",  # one request_id with two users (2 injected rows per case)
-    "duplicate_position",  # two rows with one (request_id, position), different items (2 rows)
+    R.NULL_USER,  # user_id is null
+    R.NULL_ITEM,  # item_id is null
+    R.NULL_TIME,  # request_ts is null
+    R.BAD_TIME,  # request_ts in the 1990s (before config min_year 2000)
+    R.ACTION_BEFORE_REQUEST,  # click=1 and action_ts < request_ts
+    R.DUPLICATE_ROW,  # an exact copy of a clean, unclicked row
+    R.REQUEST_USER_CONFLICT,  # one request_id with two users (2 injected rows per case)
+    R.POSITION_CONFLICT,  # two rows with one (request_id, position), different items (2 rows)
 )
 # Streams of the seed sequence: (seed, stream, day, block)
 _USERS, _DAY, _ACTIONS, _BAD, _ITEMS = 1, 2, 3, 4, 5
@@ -481,7 +483,7 @@ def inject_bad(w: World, U: dict, d: int, g: dict, lean: dict, fat: dict | None,
     unclicked = np.flatnonzero(g["click"] == 0)
     dup_src = unclicked[rng.integers(0, len(unclicked), n_inj)] if len(unclicked) else tmpl
     nan_score = rng.random(N) < share / 4
-    two = np.isin(reason, [BAD_REASONS.index("request_id_reused"), BAD_REASONS.index("duplicate_position")])
+    two = np.isin(reason, [BAD_REASONS.index(R.REQUEST_USER_CONFLICT), BAD_REASONS.index(R.POSITION_CONFLICT)])
     # rows: one per injection, plus a second for the two-row reasons
     inj = np.concatenate([np.arange(n_inj), np.flatnonzero(two)])
     second = np.concatenate([np.zeros(n_inj, bool), np.ones(int(two.sum()), bool)])
@@ -489,37 +491,37 @@ def inject_bad(w: World, U: dict, d: int, g: dict, lean: dict, fat: dict | None,
     inj, second = inj[order], second[order]
     why = reason[inj]
     r = {name: why == i for i, name in enumerate(BAD_REASONS)}
-    src = np.where(r["duplicate_row"], dup_src[inj], tmpl[inj])
+    src = np.where(r[R.DUPLICATE_ROW], dup_src[inj], tmpl[inj])
     n_bad = len(inj)
 
     out = {c: a.take(pa.array(src)) for c, a in lean.items()}
     # fresh request ids (own requests), except exact duplicates which keep theirs
     rid_new = request_ids(w, U, d, g["user"][src], inj, tag="-x")
-    out["request_id"] = pc.if_else(pa.array(r["duplicate_row"]), out["request_id"], rid_new)
+    out["request_id"] = pc.if_else(pa.array(r[R.DUPLICATE_ROW]), out["request_id"], rid_new)
     z8 = pa.array(np.zeros(n_bad, np.int8))
-    keep_labels = pa.array(r["duplicate_row"])
-    out["click"] = pc.if_else(keep_labels, out["click"], pa.array(r["action_before_request"].astype(np.int8)))
+    keep_labels = pa.array(r[R.DUPLICATE_ROW])
+    out["click"] = pc.if_else(keep_labels, out["click"], pa.array(r[R.ACTION_BEFORE_REQUEST].astype(np.int8)))
     out["like"] = pc.if_else(keep_labels, out["like"], z8)
     uid = U["u0"] + g["user"][src] + 1
     other = np.where(uid % w.n_users + 1 == uid, uid, uid % w.n_users + 1)  # another user (if any)
-    uid = np.where(r["request_id_reused"] & second, other, uid)
-    out["user_id"] = pa.array(uid, pa.int64(), mask=r["null_user"])
+    uid = np.where(r[R.REQUEST_USER_CONFLICT] & second, other, uid)
+    out["user_id"] = pa.array(uid, pa.int64(), mask=r[R.NULL_USER])
     out["item_id"] = pa.array(out["item_id"].to_numpy(zero_copy_only=False)
-                              + (r["duplicate_position"] & second), pa.int64(), mask=r["null_item"])
+                              + (r[R.POSITION_CONFLICT] & second), pa.int64(), mask=r[R.NULL_ITEM])
     rts = g["req_ts"][g["rq"][src]]
-    rts = np.where(r["time_out_of_range"], rts - 36 * 365 * MS_PER_DAY, rts)  # the 1990s
+    rts = np.where(r[R.BAD_TIME], rts - 36 * 365 * MS_PER_DAY, rts)  # the 1990s
     ats = out["action_ts"].to_numpy()
-    ats = np.where(r["time_out_of_range"], rts, ats)
-    ats = np.where(r["action_before_request"], rts - rng.integers(1, 600_000, n_bad), ats)
-    out["request_ts"] = pa.array(rts, pa.int64(), mask=r["null_request_ts"])
+    ats = np.where(r[R.BAD_TIME], rts, ats)
+    ats = np.where(r[R.ACTION_BEFORE_REQUEST], rts - rng.integers(1, 600_000, n_bad), ats)
+    out["request_ts"] = pa.array(rts, pa.int64(), mask=r[R.NULL_TIME])
     out["action_ts"] = pa.array(ats, pa.int64())
     posn = out["position"].to_numpy()
-    posn = np.where(r["request_id_reused"] & second, 1, np.where(r["request_id_reused"], 0, posn))
-    posn = np.where(r["duplicate_position"], 0, posn)
+    posn = np.where(r[R.REQUEST_USER_CONFLICT] & second, 1, np.where(r[R.REQUEST_USER_CONFLICT], 0, posn))
+    posn = np.where(r[R.POSITION_CONFLICT], 0, posn)
     out["position"] = pa.array(posn.astype(np.int32))
-    out["category"] = pc.if_else(pa.array(r["duplicate_position"] & second),
+    out["category"] = pc.if_else(pa.array(r[R.POSITION_CONFLICT] & second),
                                  pa.array(w.category(out["item_id"].fill_null(0).to_numpy())), out["category"])
-    out["author"] = pc.if_else(pa.array(r["duplicate_position"] & second),
+    out["author"] = pc.if_else(pa.array(r[R.POSITION_CONFLICT] & second),
                                pa.array(w.author(out["item_id"].fill_null(0).to_numpy())), out["author"])
     for name in BAD_REASONS:
         counts[name] = counts.get(name, 0) + int(r[name].sum())
@@ -595,6 +597,8 @@ def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
         # 20 L (at least L + 1): at the defaults heavy users and the bot split into several chunks
         "max_sample_cost": max(20 * L, L + 1),
         "seed": seed,
+        # the log starts in 2026: the injected `bad_time` rows (the 1990s) fall before it
+        "min_year": 2000,
     }
 
 
