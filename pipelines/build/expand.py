@@ -1,16 +1,27 @@
 """`userwise expand`: user-wise samples back to point-wise rows (the round trip).
 
 Every impression of every sample becomes one row with exactly the input's
-columns (names, order, types) plus the history it sees:
-- lean: ``seq_item``, ``seq_ts``, ``seq_<feature>``, ``seq_action``;
+columns (names, order, types: timestamp units and zones, unsigned integers and
+nanoseconds included) plus the history it sees:
+- lean: ``seq_ts``, ``seq_item``, ``seq_<feature>`` per item feature (``seq__<feature>``
+  for a feature named like one of ours: ``len``, ``ts``, ``action``...), ``seq_action``;
 - fat: the configured snapshot columns, reproduced as given (null stays
   null, empty stays empty, overrides come back whole).
+
+The output is a folder of zstd Parquet files ``part-NNNNN.parquet`` and nothing
+else, which polars (``pl.read_parquet("x/*.parquet")``), pyarrow
+(``pq.read_table("x")``) and duckdb (``SELECT * FROM 'x/*.parquet'``) read as
+they are. Spark writes the rows (timestamps as UTC microseconds) into a scratch
+folder inside the output; each of its files is then rewritten with pyarrow, cast
+to the input's own types recorded in the build record, one batch at a time.
 """
 
 from __future__ import annotations
 
 import os
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
@@ -19,6 +30,7 @@ from userwise.pipelines.build import build_record
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import IMP, OVR, REQ, SEQ
+from userwise.schemas.layout import input_name
 
 
 def expand_frame(cfg, layout: S.Layout, samples: DataFrame, max_seq_len: int | None = None) -> DataFrame:
@@ -51,8 +63,7 @@ def expand_frame(cfg, layout: S.Layout, samples: DataFrame, max_seq_len: int | N
     if not layout.fat:
         seq = {}
         for sf in layout.seq_fields:
-            name = {"ts": "seq_ts", "item": "seq_item", "action": "seq_action"}.get(sf.name, SEQ + sf.name)
-            seq[name] = F.slice(F.col(SEQ + sf.name), begin + 1, n)
+            seq[SEQ + sf.name] = F.slice(F.col(SEQ + sf.name), begin + 1, n)
         out_cols = [cols[c].alias(c) for c in layout.input_schema.names] + [v.alias(k) for k, v in seq.items()]
         return x.select(*out_cols)
     kind = F.col("req_snapshot")[r]
@@ -68,6 +79,84 @@ def expand_frame(cfg, layout: S.Layout, samples: DataFrame, max_seq_len: int | N
                            .when(kind == 1, ov)
                            .otherwise(sl))
     return x.select(*[cols[c].alias(c) for c in layout.input_schema.names])
+
+
+def output_schema(layout: S.Layout) -> tuple[list[str], pa.Schema]:
+    """The columns of :func:`expand_frame` (storage names) and the output's Arrow schema:
+    the input's own names and types, then (lean) the history lists."""
+    src = layout.source_schema
+    names = list(layout.input_schema.names)
+    fields = list(src)
+    if not layout.fat:
+        taken = set(src.names)
+        for sf in layout.seq_fields:
+            name = SEQ + input_name(sf.name)
+            if name in taken:  # only a contrived mix of names: keep the stored name
+                name = SEQ + sf.name
+            taken.add(name)
+            t = layout.source_type(sf.source) if sf.source is not None else (
+                layout.source_type(layout.item.name) if sf.name == "item" else sf.type)
+            names.append(SEQ + sf.name)
+            fields.append(pa.field(name, pa.list_(pa.field("element", t, True)), True))
+    return names, pa.schema(fields)
+
+
+def _cast(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
+    if col.type == t:
+        return col
+    if pa.types.is_timestamp(col.type) and pa.types.is_timestamp(t) and col.type.tz is None and t.tz:
+        col = col.cast(pa.timestamp(col.type.unit, tz="UTC"))  # Spark's timestamps are UTC instants
+    return col.cast(t)
+
+
+def rewrite(spark_dir: str, output: str, names: list[str], schema: pa.Schema, fs) -> int:
+    """Spark's Parquet files under ``spark_dir`` -> ``output``/part-NNNNN.parquet, columns
+    renamed and cast to ``schema``, zstd; the number of rows."""
+    import pyarrow.fs as pafs
+
+    infos = fs.get_file_info(pafs.FileSelector(spark_dir, recursive=True))
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+                   and not os.path.basename(i.path).startswith(("_", ".")))
+    rows = 0
+    for k, f in enumerate(files or [None]):
+        with pq.ParquetWriter(f"{output}/part-{k:05d}.parquet", schema, compression=delta_io.CODEC,
+                              filesystem=fs) as w:
+            if f is None:  # nothing to expand: one empty file carries the schema
+                w.write_table(schema.empty_table())
+                continue
+            pf = pq.ParquetFile(fs.open_input_file(f))
+            for batch in pf.iter_batches(batch_size=65536, columns=names):
+                t = pa.Table.from_batches([batch])
+                cols = [_cast(t.column(n), fld.type) for n, fld in zip(names, schema)]
+                w.write_table(pa.Table.from_arrays(cols, schema=schema))
+                rows += t.num_rows
+    return rows
+
+
+def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
+    """Write :func:`expand_frame`'s rows to the folder ``output`` (see the module docstring)."""
+    from userwise.pipelines.build.inputs import _fs
+
+    fs, root = _fs(output)
+    scratch = f"{root}/_spark"
+    fs.create_dir(root, recursive=True)
+    fs.delete_dir_contents(root, missing_dir_ok=True)
+    names, schema = output_schema(layout)
+    key = "spark.sql.parquet.outputTimestampType"
+    before = spark.conf.get(key, None)
+    spark.conf.set(key, "TIMESTAMP_MICROS")  # not INT96: the rewrite reads instants, exactly
+    try:
+        target = scratch if "://" not in output or output.startswith("file:") else output.rstrip("/") + "/_spark"
+        df.select(*[F.col(n) for n in names]).write.mode("overwrite").parquet(target)
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
+    try:
+        return rewrite(scratch, root, names, schema, fs)
+    finally:
+        fs.delete_dir(scratch)
 
 
 def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
@@ -93,7 +182,6 @@ def cli(args) -> int:
                             f"{cfg.max_seq_len}: the samples only hold the last L events per request")
     spark = get_spark(master=args.master)
     df = expand_frame(cfg, layout, read_samples(spark, build_dir, args.kind), args.max_seq_len)
-    df.write.mode("overwrite").parquet(args.output)
-    n = spark.read.parquet(args.output).count()
+    n = write(spark, df, layout, args.output)
     print(f"expanded {n} impressions into {args.output}")
     return 0
