@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import select
+import shutil
+import signal
 import struct
+import sys
+import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -85,12 +92,100 @@ def _send(conn, msg) -> None:
         conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
 
-def _worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False) -> None:
+# How often a worker checks that its trainer is still there, where the kernel does not tell it
+# (see _Lifeline), and how long it then has to exit cleanly before it exits regardless.
+WATCH_S = 0.5
+EXIT_GRACE_S = 3.0
+
+
+class _Lifeline:
+    """How a worker process ends with its trainer, however the trainer ends.
+
+    - SIGTERM (the trainer stopping it mid-epoch, or the kernel when the trainer dies,
+      by Linux's PR_SET_PDEATHSIG) raises SystemExit, so the worker leaves through
+      multiprocessing's normal exit: its finalizers run and remove its temporary folder,
+      and its shared memory (ring slots: file descriptors of segments unlinked when they
+      were made) goes with the process.
+    - A watchdog thread compares the parent pid every ``WATCH_S`` seconds, for where the
+      kernel does not signal: not Linux, workers started from a trainer thread (the
+      kernel's signal follows the thread, so it is only asked for from the main thread),
+      a forkserver's children. When the parent is gone it sends the worker SIGTERM, and
+      ``EXIT_GRACE_S`` later, should the worker be stuck in native code, removes the
+      folder and exits at once.
+    - SIGINT is ignored: Ctrl-C reaches the whole process group, and the trainer, not its
+      workers, decides what an interrupt stops.
+    - A forked worker first closes the trainer's ends of its own and earlier workers'
+      pipes it inherited, so that when the trainer goes its pipes are at EOF rather than
+      held open by a worker itself.
+    - Its multiprocessing temporary folder (it holds the listener socket through which a
+      ring slot's file descriptor is passed) is the pool's folder, shared by its workers
+      (a socket's path must stay under about 100 bytes, so no deeper), which the trainer
+      removes when it stops them, even one it had to kill; a worker whose trainer died
+      removes it when it is the last one out.
+    """
+
+    def __init__(self, parent: int | None, tmp: str, inherited: list, pdeath: bool):
+        self.parent, self.tmp, self.inherited, self.pdeath = parent, tmp, inherited, pdeath
+
+    def __getstate__(self):  # spawn, forkserver: nothing is inherited
+        return {**self.__dict__, "inherited": []}
+
+    def attach(self) -> None:
+        """Set up the calling worker process (first thing in it)."""
+        for c in self.inherited:
+            c.close()
+        self.inherited = []
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        ppid = os.getppid()
+        if self.pdeath:
+            _die_with_parent(signal.SIGTERM)
+        if self.parent is not None and os.getppid() != self.parent:  # the trainer went before the watch began
+            raise SystemExit(0)
+        os.makedirs(self.tmp, exist_ok=True)  # (a worker that exited first may have removed it)
+        multiprocessing.current_process()._config["tempdir"] = self.tmp  # where get_temp_dir() puts its files
+        multiprocessing.util.Finalize(None, self.clean, exitpriority=-100)  # after its sockets are closed
+        threading.Thread(target=self._watch, args=(ppid,), name="userwise-lifeline", daemon=True).start()
+
+    def clean(self) -> None:
+        try:
+            os.rmdir(self.tmp)  # the last worker out, when the trainer is not there to do it
+        except OSError:
+            pass
+
+    def _watch(self, ppid: int) -> None:
+        while os.getppid() == ppid:
+            time.sleep(WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(EXIT_GRACE_S)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os._exit(1)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one exit: a second signal does not cut its cleanup short
+    raise SystemExit(128 + signum)
+
+
+def _die_with_parent(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover
+        return False
+
+
+def _worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False,
+                 life: _Lifeline | None = None) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next.
 
     ``cmd``, ``out`` and ``free`` are one-way pipes with one reader and one writer each:
     messages are pickled and written by the thread that sends them (no feeder thread to
-    hand the GIL to between batches, no lock)."""
+    hand the GIL to between batches, no lock). ``life``: how it ends with its trainer."""
+    if life is not None:
+        life.attach()
     torch.set_num_threads(1)
     keep_heap()
     # Arrow's decode threads only where cores are left over (fewer workers than cores):
@@ -118,7 +213,9 @@ def _worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, 
                     last_columns = meta["columns"]
                 _send(out, ("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
             _send(out, ("done", worker))
-        except BaseException as e:  # noqa: BLE001 (everything goes back to the trainer)
+        except SystemExit:  # stopped (SIGTERM): exit, cleaning up on the way
+            raise
+        except BaseException as e:  # noqa: BLE001 (everything else goes back to the trainer)
             try:
                 _send(out, ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
             except OSError:  # the trainer closed the pipe (it stopped the workers)
@@ -141,15 +238,30 @@ class _Pool:
         self.registered: dict[tuple[int, int], int] = {}
         threads = k < _cores()
         self.procs = []
+        self.busy = False  # an epoch's plans went out and not every worker said done
+        method = ctx.get_start_method()
+        self.tmp = tempfile.mkdtemp(prefix="userwise-")
+        parent = None if method == "forkserver" else os.getpid()
+        pdeath = parent is not None and threading.current_thread() is threading.main_thread()
+        try:
+            self._start(ctx, ds, k, nslots, threads, method, parent, pdeath)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _start(self, ctx, ds, k, nslots, threads, method, parent, pdeath) -> None:
         for w in range(k):
             # three one-way pipes per worker: epoch plans in, batch announcements out, free slot
             # numbers in. Each worker's pipes are made just before it starts and the trainer
             # closes the worker's ends right after, so no other worker inherits them: a worker
-            # that exits closes its ends for good (the trainer sees EOF, not a silent pipe)
+            # that exits closes its ends for good (the trainer sees EOF, not a silent pipe). A
+            # forked worker closes the trainer's ends it inherited (_Lifeline.attach)
             cmd_r, cmd_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             free_r, free_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker_main, args=(ds, w, cmd_r, out_w, free_r, nslots, threads), daemon=True)
+            inherited = [cmd_w, out_r, free_w, *self.cmd, *self.out, *self.free] if method == "fork" else []
+            life = _Lifeline(parent, self.tmp, inherited, pdeath)
+            p = ctx.Process(target=_worker_main, args=(ds, w, cmd_r, out_w, free_r, nslots, threads, life), daemon=True)
             p.start()
             for c in (cmd_r, out_w, free_r):
                 c.close()
@@ -204,8 +316,11 @@ class _Pool:
         return torch.from_numpy(v)
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the workers: asked to exit when idle (between epochs), terminated when they
-        may be blocked mid-epoch on a full ring (their pending batches are discarded)."""
+        """Stop the workers: asked to exit when idle (between epochs), terminated (SIGTERM:
+        they exit cleanly, _Lifeline) when they may be blocked mid-epoch on a full ring
+        (their pending batches are discarded), killed should that not end them; then
+        remove the pool's temporary folder."""
+        graceful = graceful and not self.busy
         if self.registered:  # no copy from a registered slot may still run when it is unregistered
             try:
                 torch.cuda.synchronize()
@@ -226,12 +341,14 @@ class _Pool:
                     pass
         for p in self.procs:
             p.join(timeout=2)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+        for stop in ("terminate", "kill"):
+            for p in self.procs:
+                if p.is_alive():
+                    getattr(p, stop)()
+                    p.join(timeout=5)
         for conn in self.cmd + self.out + self.free:
             conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @dataclass
@@ -435,6 +552,7 @@ class UserwiseLoader:
             self._workers.register = self.zero_copy and self._pool is not None  # CUDA hosts: page-lock slots
             self._finalizer = weakref.finalize(self, self._workers.close)
         pool = self._workers
+        pool.busy = True
         for w in range(k):
             try:
                 pool.cmd[w].send((plan, start, k))
@@ -481,6 +599,7 @@ class UserwiseLoader:
                 msg = self._get(pool, w)
                 if msg[0] != "done":
                     raise RuntimeError(f"loader worker {w} sent {msg[:2]} after the last batch of the epoch")
+            pool.busy = False
             clean = True
         finally:
             if not clean:  # stopped mid-epoch (or failed): workers hold stale work, start fresh ones next time
