@@ -13,9 +13,11 @@ too: day d+1's history starts from day d's. With ``--force`` a day's record
 is removed before it is rebuilt, so a run killed half-way never leaves a
 stale record claiming the day.
 
-Every step is idempotent (replaceWhere per date, MERGE with a per-date log,
-preshard into a staging folder, publish by rename and marker last), so
-rerunning a day, forced or after a failure, gives the same tables and shards.
+Every step is idempotent (replaceWhere per date; the history MERGEs the next
+date and derives itself from the events table when a date is rerun; a window's
+stream is derived from the events, never from an old history version; preshard
+into a staging folder, publish by rename and marker last), so rerunning a day,
+forced or after a failure, gives the same tables and shards.
 """
 
 from __future__ import annotations

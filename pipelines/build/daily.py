@@ -1,4 +1,4 @@
-"""Daily jobs, each idempotent (replaceWhere / restore-and-replay):
+"""Daily jobs, each idempotent (replaceWhere, or the history derived from the events):
 
 - ``requests_day``: one date's requests, events and quarantine;
 - ``history_day``: MERGE one date's actions into the history;

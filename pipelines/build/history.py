@@ -228,9 +228,10 @@ class History:
         return self._record([date])
 
     def update(self, date: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> dict:
-        """Bring the history to the end of ``date``: the next date is one MERGE; a date at or
-        before the newest logged one (a rerun) derives the history as of the newest date from
-        the events in one job, so the later dates stay applied (idempotent)."""
+        """Bring the history to the end of ``date``: the next date is one MERGE; the first date
+        (no log yet) and a date at or before the newest logged one (a rerun) derive the history
+        from the events in one job, a rerun as of the newest date, so the later dates stay
+        applied (idempotent)."""
         log = self.log()
         if log and max(log) >= date:
             last = max(log)
@@ -243,4 +244,7 @@ class History:
             raise UserwiseError(
                 f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
                 f"run `userwise history --date {prev}` first")
+        if not log:
+            # the first date: the history as of its end, derived from every event before it
+            return {"history_versions": {date.isoformat(): self.derive(date, retention_days)}, "replayed": []}
         return {"history_versions": {date.isoformat(): self._merge_one(date, retention_days)}, "replayed": []}

@@ -1,4 +1,4 @@
-"""All Delta I/O in one place: read (at a version), replaceWhere, MERGE, RESTORE.
+"""All Delta I/O in one place: read (at a version), replaceWhere, MERGE.
 
 Nothing else in the project touches ``DeltaTable``. Every write is one Delta
 commit, so a failed job leaves the previous version visible and a retry
@@ -181,12 +181,6 @@ def merge_by_key(spark, path: str, updates, key: str) -> None:
             spark.conf.unset(key_conf)
         else:
             spark.conf.set(key_conf, before)
-
-
-def restore(spark, path: str, to_version: int) -> None:
-    from delta.tables import DeltaTable
-
-    DeltaTable.forPath(spark, path).restoreToVersion(int(to_version))
 
 
 def retention_properties(days: int) -> dict[str, str]:
