@@ -16,6 +16,7 @@ from userwise.schemas.core import (
     spark_to_arrow,
 )
 from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
+from userwise.schemas.reasons import REASONS
 from userwise.schemas.tables import (
     HISTORY_LOG,
     MANIFEST_KEYS,
@@ -44,5 +45,5 @@ __all__ = [
     "HISTORY_LOG", "MANIFEST_KEYS", "MANIFEST_SET_KEYS", "MANIFEST_SHARD", "QUARANTINE", "SYNTH_ACTIONS",
     "SYNTH_FAT_IMPRESSIONS", "SYNTH_IMPRESSIONS", "SYNTH_SNAPSHOT", "event_fields", "events_schema",
     "history_schema", "requests_schema", "samples_schema", "shard_schema", "sort_key",
-    "FIXED_TABLES",
+    "FIXED_TABLES", "REASONS",
 ]

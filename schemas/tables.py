@@ -79,7 +79,7 @@ QUARANTINE = TableSchema(
     (
         Field("date", d, True, "UTC day of the row's time (null when the time is unreadable)"),
         Field("source", s, False, "impressions | actions"),
-        Field("reason", s, False, "machine-readable reason, e.g. null_user, nan_label"),
+        Field("reason", s, False, "machine-readable reason, one of schemas.REASONS, e.g. null_user, bad_label"),
         Field("column", s, True, "the offending column"),
         Field("detail", s, True, "a human-readable explanation"),
         Field("input_file", s, True),

@@ -214,6 +214,8 @@ def test_quarantine_holds_exactly_the_rejected_rows(case, builder, spark):
     q = read_delta(spark, b.out / "quarantine")
     assert set(schemas.QUARANTINE.names) <= set(q.columns), q.columns
     assert set(q["source"]) <= {"impressions", "actions"}
+    # every reason the build writes is in the vocabulary (schemas/reasons.py), documented there
+    assert set(q["reason"]) <= set(schemas.REASONS), set(q["reason"]) - set(schemas.REASONS)
     imp = q.filter(pl.col("source") == "impressions")
     inputs = O.read_parquet_dir(log.impressions)
     by_uid = {r["row_uid"]: r for r in inputs.iter_rows(named=True)}
@@ -226,7 +228,7 @@ def test_quarantine_holds_exactly_the_rejected_rows(case, builder, spark):
         src = by_uid[uid]
         for c in ("user_id", "request_id", "request_ts", "item_id", "position"):
             assert row[c] == src[c], (uid, c, row[c], src[c])
-        col = E.REASONS.get(rec["reason"])
+        col = E.REASON_COLUMNS.get(rec["reason"])
         if rec["reason"].startswith("null_") or rec["reason"] in ("bad_label", "bad_time",
                                                                   "action_before_request"):
             assert rec["column"] == col, (rec["reason"], rec["column"])

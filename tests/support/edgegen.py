@@ -13,10 +13,10 @@ each rejected row has exactly one reason and every tricky ordering case is known
   boundaries, one after as-of);
 - action-log events tied with impression actions (nulls first), tied among
   themselves (order by item, then by features), and one before all impressions;
-- every kind of bad row (see ``REASONS``) and rows at or after as-of.
+- every kind of bad row (see ``REASON_COLUMNS``) and rows at or after as-of.
 
-Reason names (the quarantine table's ``reason``) are defined here, once:
-the build is expected to use the same strings.
+Reason names (the quarantine table's ``reason``) are the vocabulary's
+(``userwise.schemas.reasons``), the names the build gives each fault.
 
 Usage::
 
@@ -39,21 +39,22 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from tests.support.common import config
+from userwise.schemas import reasons as R
 
-# reason -> the column it names (None: a request-level or whole-row reason)
-REASONS = {
-    "null_user": "user_id",
-    "null_request": "request_id",
-    "null_time": "request_ts",
-    "null_item": "item_id",
-    "bad_time": "request_ts",
-    "action_before_request": "action_ts",
-    "duplicate_row": None,
-    "position_conflict": "position",
-    "request_user_conflict": "user_id",
-    "request_inconsistent": None,
-    "bad_label": "like",
-    "snapshot_mismatch": None,
+# the reasons these logs plant -> the column each names (None: a request-level or whole-row reason)
+REASON_COLUMNS = {
+    R.NULL_USER: "user_id",
+    R.NULL_REQUEST: "request_id",
+    R.NULL_TIME: "request_ts",
+    R.NULL_ITEM: "item_id",
+    R.BAD_TIME: "request_ts",
+    R.ACTION_BEFORE_REQUEST: "action_ts",
+    R.DUPLICATE_ROW: None,
+    R.POSITION_CONFLICT: "position",
+    R.REQUEST_USER_CONFLICT: "user_id",
+    R.REQUEST_INCONSISTENT: None,
+    R.BAD_LABEL: "like",
+    R.SNAPSHOT_MISMATCH: None,
 }
 
 UTC = dt.timezone.utc
@@ -177,7 +178,7 @@ class _Log:
         """items: list of (item, click, like, dwell); positions 0.."""
         return [self.imp(user, rid, rts, it, p, c, lk, dw, **kw) for p, (it, c, lk, dw) in enumerate(items)]
 
-    def copy(self, row, reason="duplicate_row"):
+    def copy(self, row, reason=R.DUPLICATE_ROW):
         r = dict(row)
         self.rows.append(r)
         self.bad.append((r["row_uid"], reason))
@@ -286,21 +287,21 @@ def _fat_users(g: _Log) -> None:
 def _bad_rows(g: _Log) -> None:
     # items 510.. are used by no other user: a leaked bad row shows up in a sequence
     t = ms(day(2), 14)
-    g.request(None, "b-nulluser", t, [(510, 1, 0, SEC)], reason="null_user")
+    g.request(None, "b-nulluser", t, [(510, 1, 0, SEC)], reason=R.NULL_USER)
     g.request(401, "g401-1", t - 3_600_000, [(511, 1, 0, SEC)])
-    g.imp(401, None, t, 512, 0, 1, 0, SEC, reason="null_request")
-    g.imp(401, "b-nullts", None, 513, 0, 1, 0, ats=t, date=day(2), reason="null_time")
+    g.imp(401, None, t, 512, 0, 1, 0, SEC, reason=R.NULL_REQUEST)
+    g.imp(401, "b-nullts", None, 513, 0, 1, 0, ats=t, date=day(2), reason=R.NULL_TIME)
     g.request(401, "g401-2", t + 3_600_000, [(514, 0, 0, 0)])
     # null item and an action before its request, inside otherwise good requests
     g.imp(402, "g402-1", t, 515, 0, 1, 0, SEC)
-    g.imp(402, "g402-1", t, None, 1, 1, 0, SEC, reason="null_item")
+    g.imp(402, "g402-1", t, None, 1, 1, 0, SEC, reason=R.NULL_ITEM)
     g.imp(402, "g402-1", t, 516, 2, 0, 0)
     g.imp(402, "g402-2", t + 60 * SEC, 517, 0, 1, 0, SEC)
-    g.imp(402, "g402-2", t + 60 * SEC, 518, 1, 1, 0, ats=t + 59 * SEC, reason="action_before_request")
+    g.imp(402, "g402-2", t + 60 * SEC, 518, 1, 1, 0, ats=t + 59 * SEC, reason=R.ACTION_BEFORE_REQUEST)
     g.request(402, "g402-3", t + 3_600_000, [(519, 0, 0, 0)])
     # request time outside the sane range (year < 2000)
     old = ms(dt.date(1999, 12, 31), 12)
-    g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason="bad_time")
+    g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason=R.BAD_TIME)
     g.request(403, "g403-1", t, [(522, 0, 0, 0)])
     # exact duplicates: one copy kept, the extra copies quarantined (a clicked row: one event, not three)
     a = g.imp(404, "g404-1", t, 523, 0, 1, 0, SEC)
@@ -310,13 +311,13 @@ def _bad_rows(g: _Log) -> None:
     g.request(404, "g404-2", t + 600 * SEC, [(525, 0, 0, 0)])
     # two different rows at one (request, position): both out; the rest of the request stays
     g.imp(405, "g405-1", t, 526, 0, 1, 0, SEC)
-    g.imp(405, "g405-1", t, 527, 1, 1, 0, SEC, reason="position_conflict")
-    g.imp(405, "g405-1", t, 528, 1, 0, 0, SEC, reason="position_conflict")
+    g.imp(405, "g405-1", t, 527, 1, 1, 0, SEC, reason=R.POSITION_CONFLICT)
+    g.imp(405, "g405-1", t, 528, 1, 0, 0, SEC, reason=R.POSITION_CONFLICT)
     g.imp(405, "g405-1", t, 529, 2, 0, 0, 0)
     g.request(405, "g405-2", t + 600 * SEC, [(530, 0, 0, 0)])
     # one request id, two users: the whole request out
-    g.imp(406, "b-shared", t, 531, 0, 1, 0, SEC, reason="request_user_conflict")
-    g.imp(407, "b-shared", t, 532, 1, 1, 0, SEC, reason="request_user_conflict")
+    g.imp(406, "b-shared", t, 531, 0, 1, 0, SEC, reason=R.REQUEST_USER_CONFLICT)
+    g.imp(407, "b-shared", t, 532, 1, 1, 0, SEC, reason=R.REQUEST_USER_CONFLICT)
     g.request(406, "g406-1", t + 600 * SEC, [(533, 0, 0, 0)])
     g.request(407, "g407-1", t + 600 * SEC, [(534, 0, 0, 0)])
     # rows of one request disagreeing on a request-level column: the whole request out
@@ -324,29 +325,29 @@ def _bad_rows(g: _Log) -> None:
     for k, (col, other) in enumerate([("rts", None), ("device", "web"), ("hour", 15), ("age", 4),
                                       ("country", "FR")]):
         rid, rts = f"b-incons-{k}", t + k * 60 * SEC
-        g.imp(408, rid, rts, 535 + k, 0, 1, 0, SEC, reason="request_inconsistent", **base)
+        g.imp(408, rid, rts, 535 + k, 0, 1, 0, SEC, reason=R.REQUEST_INCONSISTENT, **base)
         kw = dict(base)
         if col != "rts":
             kw[col] = other
         g.imp(408, rid, rts + (SEC if col == "rts" else 0), 540 + k, 1, 1, 0, SEC,
-              reason="request_inconsistent", **kw)
+              reason=R.REQUEST_INCONSISTENT, **kw)
     g.request(408, "g408-1", t + 3_600_000, [(545, 0, 0, 0)])
 
 
 def _bad_actions(g: _Log) -> None:
     t = ms(day(2), 13)
-    g.act(None, 550, t, 1, reason="null_user")
-    g.act(402, None, t, 1, reason="null_item")
-    g.act(402, 551, ms(dt.date(1999, 6, 1)), 1, reason="bad_time")
+    g.act(None, 550, t, 1, reason=R.NULL_USER)
+    g.act(402, None, t, 1, reason=R.NULL_ITEM)
+    g.act(402, 551, ms(dt.date(1999, 6, 1)), 1, reason=R.BAD_TIME)
     g.act(402, 552, t, 2)  # a good one
 
 
 def _float_label_rows(g: _Log) -> None:
     t = ms(day(3), 14)
-    g.imp(409, "b-nan", t, 555, 0, 1, float("nan"), SEC, reason="bad_label")
+    g.imp(409, "b-nan", t, 555, 0, 1, float("nan"), SEC, reason=R.BAD_LABEL)
     g.imp(409, "g409-1", t + 60 * SEC, 556, 0, 1, 0, SEC)
-    g.imp(409, "g409-1", t + 60 * SEC, 557, 1, 1, float("inf"), SEC, reason="bad_label")
-    g.imp(409, "g409-2", t + 120 * SEC, 558, 0, 0, float("-inf"), 0, reason="bad_label")
+    g.imp(409, "g409-1", t + 60 * SEC, 557, 1, 1, float("inf"), SEC, reason=R.BAD_LABEL)
+    g.imp(409, "g409-2", t + 120 * SEC, 558, 0, 0, float("-inf"), 0, reason=R.BAD_LABEL)
     g.request(409, "g409-3", t + 3_600_000, [(559, 0, 1.0, 0)])
 
 
@@ -390,7 +391,7 @@ def _imp_fields(float_labels: bool, fat: bool):
 
 def _truth(g: _Log):
     bad = dict(g.bad)  # uid -> reason
-    dup_uids = {u for u, r in g.bad if r == "duplicate_row"}
+    dup_uids = {u for u, r in g.bad if r == R.DUPLICATE_ROW}
     expected, after = set(), set()
     for r in g.rows:
         u = r["row_uid"]
@@ -454,7 +455,7 @@ def make_fat(root, **cfg_over) -> EdgeLog:
     rows = []
     for r in g.rows:
         u = r["row_uid"]
-        if u in bad and bad[u] != "duplicate_row":
+        if u in bad and bad[u] != R.DUPLICATE_ROW:
             continue
         if u in seen_uid:
             continue
@@ -478,7 +479,7 @@ def make_fat(root, **cfg_over) -> EdgeLog:
             snap = []
         elif rid == "f-12" and r["position"] == 2:
             snap = snap[1:]
-            mismatch[r["row_uid"]] = "snapshot_mismatch"
+            mismatch[r["row_uid"]] = R.SNAPSHOT_MISMATCH
         if rid == "f-06":
             r["hist_item_id"] = r["hist_ts"] = r["hist_category"] = None
         else:
@@ -487,7 +488,7 @@ def make_fat(root, **cfg_over) -> EdgeLog:
             r["hist_category"] = [e[6] for e in snap]
     for r in rows:
         if r["request_id"] == "f-12":
-            mismatch[r["row_uid"]] = "snapshot_mismatch"
+            mismatch[r["row_uid"]] = R.SNAPSHOT_MISMATCH
     path = _write(rows, _imp_fields(False, True), root / "fat")
     expected, after = set(), set()
     for r in rows:

@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from userwise.schemas import reasons as R
+
 UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
 UID = "row_uid"
 
@@ -73,7 +75,7 @@ def _dropped(rejected) -> set:
     if rejected is None:
         return set()
     if isinstance(rejected, Mapping):
-        return {u for u, r in rejected.items() if r != "duplicate_row"}
+        return {u for u, r in rejected.items() if r != R.DUPLICATE_ROW}
     return set(rejected)
 
 

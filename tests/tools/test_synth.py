@@ -221,14 +221,14 @@ def detect_bad(df: pl.DataFrame) -> dict:
     return {
         "null_user": df["user_id"].null_count(),
         "null_item": df["item_id"].null_count(),
-        "null_request_ts": df["request_ts"].null_count(),
-        "time_out_of_range": df.filter(pl.col("request_ts") < MS_2000).height,
+        "null_time": df["request_ts"].null_count(),
+        "bad_time": df.filter(pl.col("request_ts") < MS_2000).height,
         "action_before_request": df.filter((pl.col("click") > 0) & (pl.col("action_ts") < pl.col("request_ts")))
         .height,
         "duplicate_row": df.height - df.drop("score").unique().height,
-        "request_id_reused": df.join(rid_users.filter(pl.col("u") > 1), on="request_id", how="semi").height,
-        "duplicate_position": df.join(pos_items.filter(pl.col("i") > 1), on=["request_id", "position"],
-                                      how="semi").height,
+        "request_user_conflict": df.join(rid_users.filter(pl.col("u") > 1), on="request_id", how="semi").height,
+        "position_conflict": df.join(pos_items.filter(pl.col("i") > 1), on=["request_id", "position"],
+                                     how="semi").height,
     }
 
 
