@@ -23,7 +23,7 @@ day -> block; each (block, day) is generated with vectorised numpy, and the fat
 snapshot is computed from a per-block carry of the newest L actions, so memory
 is bounded by the chunk size, not by the number of rows.
 
-The fat snapshot follows DESIGN "The pointer": a user's stream is the
+The fat snapshot follows the pointer rule (README, "The pointer"): a user's stream is the
 impressions with click>0 or like>0, each an event at ``action_ts``, in the
 order (action_ts, request_ts, request_id, position, item_id, bits); an
 impression's snapshot is the last L events with ``action_ts < request_ts``,

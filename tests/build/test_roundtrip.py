@@ -1,6 +1,6 @@
-"""Acceptance: build -> expand reproduces the input exactly (DESIGN.md "Lossless round trip").
+"""Acceptance: build -> expand reproduces the input exactly (README, "Tables and schemas").
 
-Each case builds one edge log (tests/edgegen.py) once through the product's CLI and
+Each case builds one edge log (tests/support/edgegen.py) once through the product's CLI and
 checks it against the independent oracle (tests/oracle.py), the ground truth of the
 quarantine, the report, and the samples table's invariants read straight from Delta.
 """
@@ -38,7 +38,7 @@ WINDOWS = {
 # Spark builds are slow (minutes each on a shared 2-core box): every window setting runs on the
 # richest log (lean + action log), every other variant once, each on a different setting.
 # CI time: four builds cover lean + action log (incremental only, both), fat rows (N=1 windows
-# plus pretrain) and pretrain only; tests/test_build.py adds M=2/N=1 with the action log and a
+# plus pretrain) and pretrain only; tests/build/test_build.py adds M=2/N=1 with the action log and a
 # lean log without one.
 CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain")]
 IDS = [f"{v}-{w}" for v, w in CASES]
