@@ -433,9 +433,9 @@ class UserwiseLoader:
         num_workers (int): decoding processes (0: decode in the main process).
         device (str | torch.device | None): where batches go (default cuda if available, else cpu).
         prefetch (int): batches copied ahead on the side stream (CUDA; default 2).
-        worker_queue (int): batches each worker may hold ready (default 4: with 2, a worker of
-            small batches waited on the trainer's slot returns; 4 cut the epoch by 5-8% on
-            short samples, no change on long ones; each is one batch of shared memory).
+        worker_queue (int): batches each worker may hold ready (default 4: fewer leave a worker
+            of small batches waiting on the trainer's slot returns; each is one batch of shared
+            memory).
         pin_memory (bool | None): default: when the device is CUDA.
         multiprocessing_context (str): default "fork".
         timeout (float): seconds to wait for one batch before failing (default 600).
@@ -589,7 +589,7 @@ class UserwiseLoader:
                     dst = pool.lend(w, slot, n)
                 else:
                     dst = alloc(n)
-                    if n:  # numpy copy: no torch intra-op threads (see batch._ranges)
+                    if n:  # numpy copy: no torch intra-op threads (see batch.ranges)
                         np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
                     pool.give(w, slot)
                 b = JaggedBatch(dst, spec, meta)
@@ -709,7 +709,7 @@ def keep_heap() -> bool:
     them on free, so every decoded buffer (megabytes per column) is faulted in page by page
     again, and a heap top above the trim threshold is handed back to the OS. Worker
     processes decode the same sizes over and over: raising both thresholds keeps that
-    memory in the heap (7% less CPU per epoch of long samples, docs/loader.md). Called
+    memory in the heap (less CPU per epoch of long samples, docs/loader.md). Called
     only in the loader's own worker processes; the trainer's process is left as it is.
     Returns False where it does not apply (no glibc)."""
     try:
