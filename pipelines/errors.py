@@ -36,8 +36,8 @@ def one_line(exc: BaseException, log_path: str | None = None) -> tuple[int, str]
     1: an internal error (the traceback is shown with ``userwise --debug``).
     """
     where = f" (Spark's log: {log_path})" if log_path else ""
-    if isinstance(exc, UserwiseError):
-        return 2, str(exc)
+    if isinstance(exc, UserwiseError):  # one line, even where it quotes a library's message
+        return 2, " ".join(str(exc).split())
     if isinstance(exc, OSError) and exc.errno in _OS_HINTS:
         target = exc.filename or ""
         return 2, f"{_OS_HINTS[exc.errno]}" + (f": {target}" if target else "")

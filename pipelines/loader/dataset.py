@@ -100,17 +100,18 @@ def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) ->
     (the process's default pool) or "system" (malloc). A reader takes its pool when it is
     opened, so for "system" the default is swapped only for that moment (under a lock:
     read-ahead lanes open files from their own threads, and two overlapping swaps could leave
-    the system pool as the process's default)."""
+    the system pool as the process's default). Every page's CRC32 (preshard writes one) is
+    checked as it is read: a corrupt page fails the read, whatever ``verify`` checked before."""
     pool = read_pool() if pool is None else pool
     if pool == "arrow":
-        return pq.ParquetFile(path, memory_map=memory_map)
+        return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
     if pool != "system":
         raise ValueError(f"pool must be one of {READ_POOLS}, got {pool!r}")
     with _POOL_SWAP:
         old = pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
         try:
-            return pq.ParquetFile(path, memory_map=memory_map)
+            return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
         finally:
             pa.set_memory_pool(old)
 
@@ -362,7 +363,8 @@ class UserwiseDataset(IterableDataset):
             try:
                 parts.append(self._file(s).read_row_groups(idx, columns=self.columns, use_threads=self.read_threads))
             except Exception as e:  # noqa: BLE001
-                raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({e}); re-stage this file") from None
+                why = " ".join(str(e).split())  # e.g. a page whose CRC does not match: a corrupt file
+                raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({why}); re-stage this file") from None
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
     def _file(self, shard: int) -> pq.ParquetFile:

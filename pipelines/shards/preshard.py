@@ -56,8 +56,9 @@ AUX = ("_shard", "_node", "_rank", "_order", "_est")
 # options
 # --------------------------------------------------------------------------
 # The shard files' Parquet settings besides codec and dictionary (pipelines/tools/shardgen.py writes the
-# benchmarks' and tests' shards with the same ones).
-PARQUET_OPTIONS = {"write_statistics": True, "version": "2.6", "data_page_version": "1.0"}
+# benchmarks' and tests' shards with the same ones). Every page carries a CRC32 of its bytes, which
+# the loader checks on each read: a flipped bit is an error even without the manifest's sha256.
+PARQUET_OPTIONS = {"write_statistics": True, "version": "2.6", "data_page_version": "1.0", "write_page_checksum": True}
 DICTIONARY = ("all", "scalars")
 
 
