@@ -166,6 +166,20 @@ def _validate_args(p):
     p.add_argument("--sample-rows", type=_pos_int, default=10000, help="rows read for the warnings")
 
 
+def _forget_args(p):
+    p.add_argument("--output", required=True, help="the build folder")
+    p.add_argument("--users", required=True,
+                   help="text file: one user id per line (as the build's user column holds it; "
+                        "blank lines and lines starting with # are skipped)")
+    p.add_argument("--shards", action="append",
+                   help="a shard set root, or a folder of shard sets (published, staged): every set below it "
+                        "that holds the users is rewritten without them; repeatable")
+    p.add_argument("--vacuum", action="store_true",
+                   help="also delete the tables' older files from disk (Delta VACUUM, retention 0): "
+                        "time travel to earlier versions ends")
+    _common_spark(p)
+
+
 # name -> (one-line help, argument builder, "module:function")
 COMMANDS = {
     "synth": ("generate a synthetic impression log (lean, fat rows, action log) and its config",
@@ -197,6 +211,8 @@ COMMANDS = {
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "backfill": ("run the daily chain day by day over a date range, skipping published days",
                  _backfill_args, "userwise.pipelines.build.backfill:cli"),
+    "forget": ("remove users from every table of a build folder and from its shard sets (privacy)",
+               _forget_args, "userwise.pipelines.build.forget:cli"),
     "jars": ("fetch Delta's jars into the local cache (Spark's resolver, else Maven)",
              lambda p: None, "userwise.pipelines.runtime.jars:cli"),
 }

@@ -1,4 +1,4 @@
-"""All Delta I/O in one place: read (at a version), replaceWhere, MERGE.
+"""All Delta I/O in one place: read (at a version), replaceWhere, MERGE, delete, RESTORE, VACUUM.
 
 Nothing else in the project touches ``DeltaTable``. Every write is one Delta
 commit, so a failed job leaves the previous version visible and a retry
@@ -189,3 +189,54 @@ def retention_properties(days: int) -> dict[str, str]:
         "delta.logRetentionDuration": f"interval {int(days)} days",
         "delta.deletedFileRetentionDuration": f"interval {int(days)} days",
     }
+
+
+def delete_matching(spark, path: str, keys, condition) -> int:
+    """Delete the rows of the table that match a row of ``keys`` (one MERGE ... WHEN MATCHED
+    DELETE commit); returns the number of rows deleted.
+
+    ``keys`` is a DataFrame (broadcast: a list of ids, however long, is a join, never a giant
+    ``IN`` string); ``condition`` is the match (SQL text or a Column), the table aliased ``t``
+    and ``keys`` aliased ``k``, e.g. ``"t.user = k.user"``. Files that hold no match are not
+    rewritten.
+
+    Example::
+
+        delete_matching(spark, table_path(out, "samples"), users, "t.user = k.user")
+    """
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    t = DeltaTable.forPath(spark, path)
+    v0 = t.history(1).select("version").first()["version"]
+    key_conf = "spark.sql.parquet.compression.codec"
+    before = spark.conf.get(key_conf, None)
+    spark.conf.set(key_conf, CODEC)  # the rewritten files keep the table's codec
+    try:
+        t.alias("t").merge(F.broadcast(keys).alias("k"), condition).whenMatchedDelete().execute()
+    finally:
+        if before is None:
+            spark.conf.unset(key_conf)
+        else:
+            spark.conf.set(key_conf, before)
+    last = t.history(1).select("version", "operationMetrics").first()
+    if last["version"] == v0:  # nothing matched and nothing was committed
+        return 0
+    return int((last["operationMetrics"] or {}).get("numTargetRowsDeleted", 0))
+
+
+def purge_deleted(spark, path: str) -> None:
+    """Rewrite the files whose rows a deletion vector hides, so that the current version's files
+    hold no deleted row (REORG ... APPLY (PURGE)); a no-op on tables without deletion vectors."""
+    props = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").where("key = 'delta.enableDeletionVectors'")
+    if props.where("value = 'true'").count():
+        spark.sql(f"REORG TABLE delta.`{path}` APPLY (PURGE)")
+
+
+def vacuum(spark, path: str, hours: float = 0.0) -> None:
+    """Physically remove the files no version younger than ``hours`` needs (VACUUM). With 0,
+    every file the current version does not read is removed: time travel to any older version
+    of the table ends here. (The session disables Delta's retention check: runtime/spark.py.)"""
+    from delta.tables import DeltaTable
+
+    DeltaTable.forPath(spark, path).vacuum(float(hours))

@@ -198,6 +198,12 @@ class _ShardWriter:
             if self.buf_rows >= self.cfg["row_group_rows"] or take < room:
                 self._flush()
 
+    def add_row_group(self, t: pa.Table) -> None:
+        """Write ``t`` as one row group of its own (``forget`` keeps a shard's row groups)."""
+        self._flush()
+        self.buf, self.buf_rows = [t], t.num_rows
+        self._flush()
+
     def _flush(self) -> None:
         if not self.buf_rows:
             return
@@ -240,6 +246,24 @@ class _ShardWriter:
         if self.tmpdir:
             os.rmdir(self.tmpdir)
         return out
+
+
+def rewriter(root: str, manifest: dict, schema: pa.Schema, path: str, node: int, rank: int) -> _ShardWriter:
+    """A writer that replaces the shard ``path`` (``node=<k>/shard-<NNNNN>.parquet``) of the set at
+    ``root`` with the set's own settings (codec, dictionary, layout from its manifest); write its
+    row groups with ``add_row_group``, then ``close()`` returns its manifest entry's stats."""
+    name = os.path.basename(path)
+    if not (name.startswith("shard-") and name.endswith(".parquet") and name[6:-8].isdigit()
+            and path == shard_name(int(name[6:-8]), node)):
+        raise UserwiseError(f"{mf.join(root, path)}: not a shard name preshard writes "
+                            "(node=<k>/shard-<NNNNN>.parquet); rerun `userwise preshard`")
+    codec = manifest.get("compression", "zstd")  # the manifest names leaf columns (seq_ts.list.element)
+    if isinstance(codec, dict):
+        codec = {k.removesuffix(".list.element"): v for k, v in codec.items()}
+    cfg = _writer_cfg(root, schema, compression=codec, layout=manifest["layout"],
+                      row_group_rows=manifest.get("row_group_rows", 2048), row_group_mb=128.0,
+                      dictionary=manifest.get("dictionary", "all"))
+    return _ShardWriter(cfg, int(name[6:-8]), node, rank)
 
 
 def write_partition(batches, cfg: dict):
