@@ -295,13 +295,14 @@ def _delta_frame(spark, src: Source):
         parts = t.metadata().partition_columns
         mapped = t.metadata().configuration.get("delta.columnMapping.mode", "none") != "none"
         uris = t.file_uris()
-        rel = [u[len(src.path.rstrip("/")) + 1:] if u.startswith(src.path.rstrip("/")) else u for u in uris]
+        root = (src.path if _remote(src.path) else os.path.abspath(_local(src.path))).rstrip("/")
+        rel = [u[len(root) + 1:] if u.startswith(root) else u for u in uris]
         if uris and not mapped and all(all(f"{p}=" in r_ for p in parts) for r_ in rel):
             files = uris
     except Exception:  # noqa: BLE001 (a table delta-rs cannot read: Spark's scan below)
         files = None
     if files:
-        x = spark.read.schema(df.schema).option("basePath", src.path).parquet(*files)
+        x = spark.read.schema(df.schema).option("basePath", root).parquet(*files)
         return x.select(*[F.col(_q(c)) for c in df.columns], F.col("_metadata.file_path").alias("_file"),
                         F.col("_metadata.row_index").alias("_row"))
     # column mapping or unusual paths: the file is known, the row's index is not (an
@@ -328,8 +329,11 @@ def read_spark(spark, spec: str, with_row_ids: bool = True):
     from pyspark.sql import functions as F
     from pyspark.sql.utils import AnalysisException
 
+    from userwise.pipelines.config import check_types
+
     srcs = resolve(spec)
     source = input_schema(spec)
+    check_types(source)  # before Spark meets a type it cannot read (validate's own error)
     if any(_has_nanos(f.type) for f in source):
         spark.conf.set("spark.sql.legacy.parquet.nanosAsLong", "true")
     frames = []

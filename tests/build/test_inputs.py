@@ -280,7 +280,7 @@ def test_expand_output_is_a_plain_zstd_folder_that_any_reader_reads(built):
     assert files and all(f.startswith("part-") and f.endswith(".parquet") for f in files), files
     assert pq.ParquetFile(x / files[0]).metadata.row_group(0).column(0).compression == "ZSTD"
     n = pl.read_parquet(f"{x}/*.parquet").height
-    assert n == pq.read_table(x).num_rows == duckdb.sql(f"SELECT count(*) FROM '{x}/*.parquet'").fetchone()[0] == 48
+    assert n == pq.read_table(x).num_rows == duckdb.sql(f"SELECT count(*) FROM '{x}/*.parquet'").fetchall()[0][0] == 48
     t = pq.read_table(x)
     assert t.schema.field("request_ts").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("action_ts").type == pa.timestamp("ns")
@@ -354,16 +354,27 @@ def _fault_cases(d: Path) -> dict:
         "glob matches nothing": (config(), str(d / "nope-*")),
         "version of parquet": (config(), f"{good}@v3"),
         "list of other columns": (config(), f"{good},{other}"),
+        "fat rows with an action log": (config(columns={"sequence": {"item": "device", "time": "device"}}), good),
     }
+
+
+def test_a_dominant_quarantine_reason_names_its_config_key():
+    from userwise.pipelines.build import ingest
+
+    assert ingest.limit_hint({"bad_time": 97, "null_user": 3}) == \
+        "; 97% of them are bad_time: check min_year, max_year and time_unit"
+    assert "request_scope" in ingest.limit_hint({"request_user_conflict": 24})
+    assert ingest.limit_hint({"bad_time": 5, "null_user": 5}) == ""  # none dominates
 
 
 def test_validate_and_build_refuse_every_fault_with_the_same_line(spark, corpus, tmp_path):
     cases = _fault_cases(corpus["_dir"])
     for name, (cfg, spec) in cases.items():
         c = write_yaml(cfg, tmp_path / "f.yaml")
-        rc_v, _, err_v = run_cli(["validate", "--config", c, "--input", spec])
+        extra = ["--actions", spec] if name == "fat rows with an action log" else []
+        rc_v, _, err_v = run_cli(["validate", "--config", c, "--input", spec, *extra])
         rc_b, _, err_b = run_cli(["build", "--config", c, "--input", spec, "--output", tmp_path / "o",
-                                  "--as-of", "2026-03-03", "--pretrain-days", 1, "--window-days", 1])
+                                  "--as-of", "2026-03-03", "--pretrain-days", 1, "--window-days", 1, *extra])
         lv, lb = error_lines(err_v), error_lines(err_b)
         assert rc_v == rc_b == 2 and len(lv) == 1 and lv == lb, (name, err_v, err_b)
         assert not (tmp_path / "o" / "samples").exists(), name
