@@ -59,7 +59,11 @@ class NodeShards:
         if name not in self._cols:
             per_rg: list[np.ndarray] = []
             for s in range(len(self.shards)):
-                t = pq.read_table(self.path(s), columns=[name])
+                try:  # its pages checked against their CRCs, as every read of the loader
+                    t = pq.read_table(self.path(s), columns=[name], page_checksum_verification=True)
+                except Exception as e:  # noqa: BLE001
+                    why = " ".join(str(e).split())
+                    raise ShardError(f"{self.path(s)}: column {name} unreadable ({why}); re-stage this file") from None
                 a = t.column(name).to_numpy()
                 rows = self.rg_rows[self.rg_shard == s]
                 per_rg += np.split(a, np.cumsum(rows)[:-1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -230,3 +231,17 @@ def test_the_cli_says_one_line(shards, capsys, where):
         rc = cli.main(["diagnose", "--shards", root, "--device", "cpu", "--batch-size", "8", "--batches", "400"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and path in err[0], (rc, err)
+
+
+def test_a_flip_in_a_column_read_for_planning_is_an_error(shards):
+    """``cost`` (token budgets) and ``user`` (held-out users) are read for the plan, apart
+    from the batches' columns: a flip in one of their pages fails the plan, even when the
+    batches do not carry that column."""
+    root, path, _ = shards
+    rnd = random.Random(5)
+    for name, kw in (("cost", dict(token_budget=400)), ("user", dict(split="train", eval_user_share=0.3))):
+        ps = [p for p in pages(path) if p[0] == name and p[2] == 0 and p[5] > p[4]]
+        _, _, _, _, a, z, _ = rnd.choice(ps)
+        with Flipped(path, rnd.randrange(a, z), rnd.randrange(8)), pytest.raises(ShardError, match=re.escape(path)):
+            ds = UserwiseDataset(root, verify="size", seed=1, device="cpu", columns=["sample_id"], **kw)
+            list(UserwiseLoader(ds))
