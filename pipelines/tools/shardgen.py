@@ -54,9 +54,9 @@ DEFAULT_SETS = (
 )
 
 
-def layout(max_seq_len: int = 20) -> schemas.Layout:
+def layout() -> schemas.Layout:
     """The layout of the synthetic lean log (``userwise synth``'s config.yaml)."""
-    cfg = synth.make_config(max_seq_len, 0, fat=False, actions=False)
+    cfg = synth.make_config(20, 0, fat=False, actions=False)
     return config.parse(cfg).layout(schemas.SYNTH_IMPRESSIONS.to_arrow())
 
 
