@@ -35,6 +35,7 @@ $(PETA_STAMP): requirements-petastorm.lock $(STAMP)
 
 jars: $(STAMP)
 	$(BIN)/userwise jars >/dev/null
+	$(BIN)/python -m tests.support.remote_store >/dev/null  # the tests' HDFS (tests/remote)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 # Two pytest-xdist workers, a test file per worker at a time (module fixtures such as a
