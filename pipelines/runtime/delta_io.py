@@ -228,8 +228,10 @@ def delete_matching(spark, path: str, keys, condition) -> int:
 def purge_deleted(spark, path: str) -> None:
     """Rewrite the files whose rows a deletion vector hides, so that the current version's files
     hold no deleted row (REORG ... APPLY (PURGE)); a no-op on tables without deletion vectors."""
-    props = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").where("key = 'delta.enableDeletionVectors'")
-    if props.where("value = 'true'").count():
+    from delta.tables import DeltaTable
+
+    props = DeltaTable.forPath(spark, path).detail().select("properties").first()["properties"] or {}
+    if str(props.get("delta.enableDeletionVectors", "false")).lower() == "true":
         spark.sql(f"REORG TABLE delta.`{path}` APPLY (PURGE)")
 
 
