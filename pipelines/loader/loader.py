@@ -103,7 +103,7 @@ class _Lifeline:
 
     - SIGTERM (the trainer stopping it mid-epoch, or the kernel when the trainer dies,
       by Linux's PR_SET_PDEATHSIG) raises SystemExit, so the worker leaves through
-      multiprocessing's normal exit: its finalizers run and remove its temporary folder,
+      multiprocessing's normal exit: its finalizers run and remove its temporary files,
       and its shared memory (ring slots: file descriptors of segments unlinked when they
       were made) goes with the process.
     - A watchdog thread compares the parent pid every ``WATCH_S`` seconds, for where the
@@ -137,14 +137,14 @@ class _Lifeline:
         self.inherited = []
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        os.makedirs(self.tmp, exist_ok=True)  # (a worker that exited first may have removed it)
+        multiprocessing.current_process()._config["tempdir"] = self.tmp  # where get_temp_dir() puts its files
+        multiprocessing.util.Finalize(None, self.clean, exitpriority=-100)  # after its sockets are closed
         ppid = os.getppid()
         if self.pdeath:
             _die_with_parent(signal.SIGTERM)
         if self.parent is not None and os.getppid() != self.parent:  # the trainer went before the watch began
             raise SystemExit(0)
-        os.makedirs(self.tmp, exist_ok=True)  # (a worker that exited first may have removed it)
-        multiprocessing.current_process()._config["tempdir"] = self.tmp  # where get_temp_dir() puts its files
-        multiprocessing.util.Finalize(None, self.clean, exitpriority=-100)  # after its sockets are closed
         threading.Thread(target=self._watch, args=(ppid,), name="userwise-lifeline", daemon=True).start()
 
     def clean(self) -> None:
