@@ -59,8 +59,18 @@ def _input_args(p: argparse.ArgumentParser, actions: bool = True) -> None:
                                          "mapped by columns.actions")
 
 
+def _conf(s: str) -> tuple[str, str]:
+    k, sep, v = s.partition("=")
+    if not sep or not k.strip():
+        raise argparse.ArgumentTypeError(f"{s!r} is not key=value")
+    return k.strip(), v
+
+
 def _common_spark(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", help="Spark master URL (default: local[2], or what spark-submit set)")
+    p.add_argument("--conf", type=_conf, action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark or Hadoop setting (repeatable), e.g. spark.hadoop.fs.s3a.endpoint=http://...; "
+                        "see the README's \"Cluster storage\"")
 
 
 def _build_args(p):
@@ -136,6 +146,8 @@ def _stage_args(p):
     p.add_argument("--workers", type=_pos_int, default=8)
     p.add_argument("--limit-mbps", type=float, default=None,
                    help="cap the copy rate (MB/s over all workers), e.g. to spare a shared network")
+    p.add_argument("--range-mb", type=float, default=64.0,
+                   help="copy files larger than this as parallel ranges of this size (several streams per file)")
 
 
 def _diagnose_args(p):
@@ -253,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             from userwise.pipelines.build.inputs import with_version
 
             args.input = with_version(args.input, args.input_version)
+        if getattr(args, "conf", None):
+            from userwise.pipelines.runtime import spark as spark_runtime
+
+            spark_runtime.CLI_CONF.update(dict(args.conf))
         from userwise.pipelines.build import writer_lock
 
         lock = writer_lock.for_command(args.command, args)

@@ -9,30 +9,26 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
 
 import pyarrow as pa
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
 from userwise.pipelines.errors import InputError
+from userwise.pipelines.runtime import storage
 
 META_DIR = "_userwise"
 META_FILE = "build.json"
 
 
 def path(output: str) -> str:
-    return os.path.join(output, META_DIR, META_FILE)
+    return storage.join(output, META_DIR, META_FILE)
 
 
 def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
     p = path(output)
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-    old = {}
-    if os.path.exists(p):
-        with open(p) as f:
-            old = json.load(f)
+    raw = storage.read_bytes(p)
+    old = json.loads(raw) if raw is not None else {}
     meta = {
         **old,
         "format_version": S.FORMAT_VERSION,
@@ -41,10 +37,7 @@ def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
         "input_schema": base64.b64encode(layout.input_schema.serialize().to_pybytes()).decode(),
         **extra,
     }
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".build.json.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(meta, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, p)
+    storage.write_bytes(p, json.dumps(meta, indent=1, sort_keys=True, default=str).encode())
 
 
 def load(output: str) -> tuple[C.Config, S.Layout, dict]:
@@ -54,12 +47,12 @@ def load(output: str) -> tuple[C.Config, S.Layout, dict]:
     Raises InputError (one line: what to do) when the folder is not a build folder, the
     record is damaged, or another format version wrote it."""
     p = path(output)
-    if not os.path.exists(p):
+    raw = storage.read_bytes(p)
+    if raw is None:
         raise InputError(f"{output} is not a userwise build folder (no {META_DIR}/{META_FILE}); "
                          "run `userwise build` or `userwise requests` first")
     try:
-        with open(p) as f:
-            meta = json.load(f)
+        meta = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{p}: not valid JSON ({e}); rebuild the folder with `userwise build`") from None
     if not isinstance(meta, dict):

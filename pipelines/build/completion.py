@@ -28,6 +28,7 @@ import re
 
 from userwise.pipelines.build import writer_lock
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.runtime import storage
 
 FORMAT_VERSION = 1
 TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
@@ -39,15 +40,15 @@ class IncompleteError(UserwiseError):
 
 
 def _dir(output: str) -> str:
-    return os.path.join(os.path.abspath(output), "_userwise")
+    return storage.join(storage.absolute(output), "_userwise")
 
 
 def record_path(output: str) -> str:
-    return os.path.join(_dir(output), "complete.json")
+    return storage.join(_dir(output), "complete.json")
 
 
 def running_path(output: str) -> str:
-    return os.path.join(_dir(output), "running.json")
+    return storage.join(_dir(output), "running.json")
 
 
 def delta_version(path: str) -> int | None:
@@ -57,10 +58,8 @@ def delta_version(path: str) -> int | None:
     removes entries older than the newest checkpoint), so the largest name is
     the table's version.
     """
-    log = os.path.join(path, "_delta_log")
-    if not os.path.isdir(log):
-        return None
-    found = [int(m.group(1)) for n in os.listdir(log) if (m := _LOG_ENTRY.match(n))]
+    found = [int(m.group(1)) for n in storage.listdir(storage.join(path, "_delta_log"))
+             if (m := _LOG_ENTRY.match(n))]
     return max(found) if found else None
 
 
@@ -68,29 +67,23 @@ def table_versions(output: str) -> dict[str, int]:
     """The current Delta version of each table of the build folder that exists."""
     out = {}
     for t in TABLES:
-        v = delta_version(os.path.join(os.path.abspath(output), t))
+        v = delta_version(storage.join(storage.absolute(output), t))
         if v is not None:
             out[t] = v
     return out
 
 
 def write_json(path: str, obj: dict) -> None:
-    """Write ``obj`` to ``path`` atomically: a temporary file, fsync, one rename."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write ``obj`` to ``path`` (a local path or a URL) atomically: a temporary file, one rename."""
+    storage.write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def _read(path: str) -> dict | None:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except FileNotFoundError:
+    data = storage.read_bytes(path)
+    if data is None:
         return None
+    try:
+        return json.loads(data)
     except ValueError as e:
         raise IncompleteError(f"{path} is not valid JSON ({e}); run the last job again") from None
 
@@ -116,7 +109,7 @@ def finish(output: str, job: str, **detail) -> dict:
     write_json(record_path(output), rec)
     running = _read(running_path(output))
     if running is not None and running.get("pid") == os.getpid():
-        os.remove(running_path(output))
+        storage.remove(running_path(output))
     return rec
 
 

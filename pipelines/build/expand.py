@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 from userwise import schemas as S
 from userwise.pipelines.build import build_record
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.runtime import delta_io, storage
 from userwise.schemas import IMP, OVR, REQ, SEQ
 from userwise.schemas.layout import input_name
 
@@ -160,7 +160,7 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
 
 
 def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
-    path = samples if os.path.isdir(os.path.join(samples, "_delta_log")) else delta_io.table_path(samples, "samples")
+    path = samples if delta_io.has_log(samples) else delta_io.table_path(samples, "samples")
     if not delta_io.exists(spark, path):
         raise UserwiseError(f"no samples table at {path}; pass the folder written by `userwise build`")
     df = delta_io.read(spark, path)
@@ -173,9 +173,8 @@ def cli(args) -> int:
     from userwise.pipelines.runtime.spark import get_spark
 
     build_dir = args.samples
-    if os.path.basename(os.path.normpath(build_dir)) == "samples" and not os.path.exists(
-            build_record.path(build_dir)):
-        build_dir = os.path.dirname(os.path.normpath(build_dir))
+    if build_dir.rstrip("/").rsplit("/", 1)[-1] == "samples" and not storage.exists(build_record.path(build_dir)):
+        build_dir = build_dir.rstrip("/").rsplit("/", 1)[0]
     cfg, layout, _ = build_record.load(build_dir)
     if args.max_seq_len and args.max_seq_len > cfg.max_seq_len:
         raise UserwiseError(f"--max-seq-len {args.max_seq_len} is larger than the build's max_seq_len "

@@ -16,7 +16,6 @@ day from the events in one job.
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
@@ -174,7 +173,7 @@ class History:
 
     # -- the log --------------------------------------------------------------
     def log(self) -> dict[dt.date, int]:
-        if not os.path.isdir(os.path.join(self.log_path, "_delta_log")):
+        if not delta_io.has_log(self.log_path):
             return {}
         t = delta_io.read_small(self.log_path, ["date", "version"])
         return {d: int(v) for d, v in zip(t.column("date").to_pylist(), t.column("version").to_pylist())}

@@ -70,8 +70,10 @@ def _fs(path: str):
 
     if not _remote(path):
         return pafs.LocalFileSystem(), os.path.abspath(_local(path))
+    from userwise.pipelines.runtime import storage
+
     try:
-        return pafs.FileSystem.from_uri(path)
+        return storage.filesystem(path)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
         raise InputError(f"input {path!r}: cannot open its file system ({e})") from None
 

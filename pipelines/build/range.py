@@ -14,27 +14,32 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 
 from userwise.pipelines import config as C
 from userwise.pipelines.build import build_record
 from userwise.pipelines.build.daily import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.build.history import History
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.runtime import delta_io, storage
 
 
 def du(path: str) -> int:
-    """Bytes under a local folder (data files only)."""
-    if "://" in path and not path.startswith("file:"):
+    """Bytes under a folder, local or remote (data files only; 0 when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, root = storage.filesystem(path)
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.File:
+            return int(info.size or 0)
+        if info.type != pafs.FileType.Directory:
+            return 0
+        found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except (OSError, ValueError):
         return 0
-    total = 0
-    for root, _, files in os.walk(path.replace("file:", "")):
-        if "_delta_log" in root or "/_userwise" in root:
-            continue
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
-                     if not f.startswith(".") and not f.endswith(".crc"))
-    return total
+    return sum(int(i.size or 0) for i in found if i.type == pafs.FileType.File
+               and "/_delta_log/" not in i.path and "/_userwise/" not in i.path
+               and not i.base_name.startswith(".") and not i.base_name.endswith(".crc"))
 
 
 def windows(as_of: dt.date, pretrain_days: int, window_days: int) -> list[tuple[dt.date, dt.date]]:
@@ -56,7 +61,7 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     boundary = T - dt.timedelta(days=pretrain_days)
     if cfg.fat and actions_path:
         raise UserwiseError("--actions is for lean input; fat rows carry their own sequence")
-    output = os.path.abspath(output)
+    output = storage.absolute(output)
     log(f"build: input {input_path} -> {output}, as-of {T}, pretrain before {boundary}, "
         f"{len(wins)} incremental windows of {window_days} day(s)")
     ing = ingest_range(spark, cfg, input_path, output, None, T, actions_path, as_of=T)

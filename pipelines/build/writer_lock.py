@@ -16,7 +16,10 @@ A refused job fails at once, before it reads or writes anything, with one line n
 the job that holds the lock (its command, pid, host and start time).
 
 A lock is a small JSON file created with ``O_CREAT | O_EXCL`` (atomic on a local or
-network file system). Its holder touches it every :data:`HEARTBEAT_S` seconds from a
+network file system), or on HDFS with a create that refuses an existing file (the name
+node creates a file once; ``pipelines/runtime/storage.py``). On an object store, which has
+no exclusive create, the lock is a check-then-write: it catches a second job started
+later, not two started in the same instant. Its holder touches it every :data:`HEARTBEAT_S` seconds from a
 daemon thread. A lock is **stale** when its process is gone (same host: the pid no
 longer runs, or runs another program) or when nobody has touched it for
 :data:`STALE_S` seconds (any host). A stale lock is taken over safely: the taker first
@@ -34,6 +37,7 @@ import threading
 import time
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.runtime import storage
 
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
@@ -45,19 +49,9 @@ class LockedError(UserwiseError):
 
 
 def lock_dir(output: str) -> str:
-    return os.path.join(_local(output), "_userwise", "locks")
-
-
-def _local(output: str) -> str:
-    if output.startswith("file://"):
-        return output[len("file://"):]
-    if output.startswith("file:"):
-        return output[len("file:"):]
-    return output
-
-
-def _is_local(output: str) -> bool:
-    return "://" not in output or output.startswith("file:")
+    if storage.is_local(output):
+        return os.path.join(storage.local_path(output), "_userwise", "locks")
+    return storage.join(output, "_userwise", "locks")
 
 
 def _pid_alive(pid: int, started: float | None) -> bool:
@@ -84,19 +78,22 @@ def _pid_alive(pid: int, started: float | None) -> bool:
 
 def read_holder(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
+        data = storage.read_bytes(path)
+    except OSError:
+        return {}  # unreadable: judged by its age alone
+    if data is None:
         return None
-    except (OSError, ValueError):
-        return {}  # being written, or unreadable: judged by its age alone
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {}  # being written: judged by its age alone
 
 
 def is_stale(path: str, holder: dict | None) -> bool:
-    try:
-        age = time.time() - os.stat(path).st_mtime
-    except FileNotFoundError:
+    mtime = storage.mtime(path)
+    if mtime is None:
         return True
+    age = time.time() - mtime
     if age > STALE_S:
         return True
     if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
@@ -114,13 +111,7 @@ def describe(holder: dict | None) -> str:
 
 
 def _create(path: str, me: dict) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
-    return True
+    return storage.create_exclusive(path, json.dumps(me).encode())
 
 
 def _take_over_if_stale(path: str) -> dict | None:
@@ -131,18 +122,20 @@ def _take_over_if_stale(path: str) -> dict | None:
     if not is_stale(path, holder):
         return holder
     aside = f"{path}.stale-{os.getpid()}-{time.time_ns()}"
-    try:
-        os.rename(path, aside)  # one rename wins; a loser finds the file gone and retries the create
-    except FileNotFoundError:
+    if not storage.rename(path, aside):  # one rename wins; a loser finds the file gone and retries
         return None
     moved = read_holder(aside)
     if not is_stale(aside, moved):
         # A racing taker replaced the stale lock with its fresh one before our rename: put it back.
-        with contextlib.suppress(FileExistsError):
-            os.link(aside, path)
-        os.remove(aside)
+        if storage.is_local(aside):
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+        else:
+            with contextlib.suppress(OSError):
+                storage.rename(aside, path)  # HDFS' rename never replaces a file
+        storage.remove(aside)
         return moved or {}
-    os.remove(aside)
+    storage.remove(aside)
     return None
 
 
@@ -156,26 +149,25 @@ class WriterLock:
     def __init__(self, output: str, job: str, date: str | None = None):
         self.output, self.job, self.date = output, job, date
         self.name = f"requests-{date}.lock" if job == "requests" and date else EXCLUSIVE
-        self.path = os.path.join(lock_dir(output), self.name)
+        self.path = storage.join(lock_dir(output), self.name)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.held = False
 
     def _conflicts(self) -> list[str]:
         d = lock_dir(self.output)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return []
+        names = storage.listdir(d)
         names = [n for n in names if n.endswith(".lock") and n != self.name]
         if self.name != EXCLUSIVE:
             names = [n for n in names if n == EXCLUSIVE]  # other dates' requests jobs may run
-        return [os.path.join(d, n) for n in sorted(names)]
+        return [storage.join(d, n) for n in sorted(names)]
 
     def acquire(self) -> "WriterLock":
-        if not _is_local(self.output):
-            return self  # object stores offer no atomic create here: one writer is the caller's to ensure
-        os.makedirs(lock_dir(self.output), exist_ok=True)
+        if storage.is_local(self.output):
+            os.makedirs(lock_dir(self.output), exist_ok=True)
+        else:
+            fs, p = storage.filesystem(lock_dir(self.output))
+            fs.create_dir(p, recursive=True)
         now = time.time()
         me = {"job": self.job, "date": self.date, "pid": os.getpid(), "host": socket.gethostname(),
               "started": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
@@ -205,12 +197,12 @@ class WriterLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                storage.touch(self.path)
 
     def _remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+        with contextlib.suppress(OSError):
+            storage.remove(self.path)
 
     def release(self) -> None:
         self._stop.set()
@@ -228,11 +220,8 @@ class WriterLock:
 def live_writer(output: str) -> bool:
     """Whether a live job holds any of the folder's locks now (running, not killed)."""
     d = lock_dir(output)
-    try:
-        names = [n for n in os.listdir(d) if n.endswith(".lock")]
-    except FileNotFoundError:
-        return False
-    return any(not is_stale(os.path.join(d, n), read_holder(os.path.join(d, n))) for n in names)
+    names = [n for n in storage.listdir(d) if n.endswith(".lock")]
+    return any(not is_stale(storage.join(d, n), read_holder(storage.join(d, n))) for n in names)
 
 
 # The commands that write a build folder, and how each locks it.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from userwise.pipelines.runtime import storage
+
 TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
 
 # The Parquet codec of every table written here. Spark's default is snappy; the stored product
@@ -19,13 +21,18 @@ CODEC = "zstd"
 
 
 def table_path(output: str, name: str) -> str:
-    return os.path.join(os.path.abspath(output), name)
+    return storage.join(storage.absolute(output), name)
 
 
 def exists(spark, path: str) -> bool:
     from delta.tables import DeltaTable
 
-    return os.path.isdir(os.path.join(path, "_delta_log")) and DeltaTable.isDeltaTable(spark, path)
+    return has_log(path) and DeltaTable.isDeltaTable(spark, path)
+
+
+def has_log(path: str) -> bool:
+    """Whether ``path`` (a local path or a URL) holds a Delta log."""
+    return storage.is_dir(storage.join(path, "_delta_log"))
 
 
 def read(spark, path: str, version: int | None = None):
@@ -53,13 +60,13 @@ def write_small(path: str, table, predicate: str | None = None) -> None:
     from deltalake import write_deltalake
 
     write_deltalake(path, table, mode="overwrite",
-                    predicate=predicate if os.path.isdir(os.path.join(path, "_delta_log")) else None)
+                    predicate=predicate if has_log(path) else None)
 
 
 def delete_small(path: str, predicate: str) -> None:
     from deltalake import DeltaTable as RsTable
 
-    if os.path.isdir(os.path.join(path, "_delta_log")):
+    if has_log(path):
         RsTable(path).delete(predicate)
 
 

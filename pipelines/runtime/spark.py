@@ -42,6 +42,9 @@ _ALWAYS = {
 }
 
 
+# Settings from the command line (`--conf key=value`), applied last to every session made here.
+CLI_CONF: dict[str, str] = {}
+
 # Where the JVM's own log goes when this process starts it (None: the console, or not started here).
 LOG_PATH: str | None = None
 
@@ -96,7 +99,8 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
               conf: dict[str, str] | None = None):
     """Return the active session or make one.
 
-    ``master=None`` means: whatever spark-submit set, else ``local[2]``.
+    ``master=None`` means: whatever spark-submit set, else ``local[2]``. ``conf`` and the
+    command line's ``--conf`` settings (:data:`CLI_CONF`) come last: they win.
     """
     from pyspark.sql import SparkSession
 
@@ -133,7 +137,7 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     if not submitted:
         # Under spark-submit the jars come with --jars/--packages; here we add them.
         b = b.config("spark.jars", ",".join(jars.ensure()))
-    for k, v in (conf or {}).items():
+    for k, v in {**(conf or {}), **CLI_CONF}.items():
         b = b.config(k, v)
     if LOG_PATH:
         _launch_jvm_logging_to(LOG_PATH, b)

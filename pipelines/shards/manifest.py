@@ -44,29 +44,20 @@ VERIFY = ("checksum", "size", "none")
 def resolve(root: str, fs=None) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a local path or a URL.
 
-    ``fs`` may be a pyarrow or an fsspec filesystem; URLs pyarrow cannot open
-    (e.g. ``memory://``, ``gcs://`` without pyarrow GCS) go through fsspec.
+    ``fs`` may be a pyarrow or an fsspec filesystem; without it, ``root`` opens as
+    ``pipelines/runtime/storage.py`` says (``hdfs://`` through libhdfs or WebHDFS, other URLs
+    through pyarrow, else fsspec).
     """
     if fs is not None:
         if not isinstance(fs, pafs.FileSystem):
             fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
         return fs, root.rstrip("/") or "/"
-    if "://" not in root:
-        return pafs.LocalFileSystem(), os.path.abspath(root)
-    if root.startswith("file://"):
-        return pafs.LocalFileSystem(), os.path.abspath(root[len("file://"):])
-    try:
-        f, path = pafs.FileSystem.from_uri(root)
-        return f, path.rstrip("/")
-    except Exception:  # noqa: BLE001 - not a pyarrow scheme: try fsspec
-        import fsspec
+    from userwise.pipelines.runtime import storage
 
-        try:
-            f, path = fsspec.core.url_to_fs(root)
-        except Exception as e:  # noqa: BLE001
-            raise ShardError(f"{root}: cannot open this location ({e}); use a local path or a "
-                             "pyarrow.fs / fsspec URL (hdfs://, s3://, gs://)") from None
-        return pafs.PyFileSystem(pafs.FSSpecHandler(f)), path.rstrip("/")
+    try:
+        return storage.filesystem(root)
+    except storage.StorageError as e:
+        raise ShardError(str(e)) from None
 
 
 def join(base: str, rel: str) -> str:
@@ -156,7 +147,9 @@ def write(root: str, manifest: dict, fs=None) -> str:
     data = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
     with f.open_output_stream(tmp) as out:
         out.write(data)
-    f.move(tmp, path)
+    from userwise.pipelines.runtime import storage
+
+    storage.replace(f, tmp, path)
     return path
 
 

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from userwise.pipelines.build import build_record
 from userwise.pipelines.errors import InputError, UserwiseError
+from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance
 from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION, TableSchema
@@ -559,11 +560,11 @@ def assign_spark(keys, *, slots: int, ranks_per_node: int, seed: int):
 
 def samples_table(samples: str) -> tuple[str, str]:
     """(build folder, samples table path) from --samples (the build folder or its samples table)."""
-    d = os.path.abspath(samples)
-    if os.path.isdir(os.path.join(d, "samples", "_delta_log")):
-        return d, os.path.join(d, "samples")
-    if os.path.isdir(os.path.join(d, "_delta_log")):
-        return os.path.dirname(d), d
+    d = storage.absolute(samples)
+    if delta_io.has_log(storage.join(d, "samples")):
+        return d, storage.join(d, "samples")
+    if delta_io.has_log(d):
+        return d.rsplit("/", 1)[0], d
     raise InputError(f"--samples {samples}: no Delta table at {d}/samples; pass the output folder of "
                      "`userwise build`")
 

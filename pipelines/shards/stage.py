@@ -12,7 +12,16 @@
 - Resume: files already at their final name are re-hashed (a local read) and
   kept when they match; a ``.part`` left by an interrupted run continues
   from its length (its prefix is hashed first; a bad prefix is copied again).
+- Large reads, several streams: ``--workers`` streams copy files in parallel, each with
+  reads of :data:`CHUNK` bytes (one ranged request each on HTTP stores: WebHDFS, S3,
+  GCS). A file larger than ``--range-mb`` is cut into ranges that the streams copy in
+  parallel into its ``.part`` (written at their offsets); a ``.part.ranges`` file beside it
+  lists the ranges finished, so a resumed copy fetches only the others, and the whole
+  file is hashed once complete (a local read).
 - Free space for what is left to copy is checked before anything is copied.
+- A store that stops answering (the name node gone, the network down) ends the run with
+  one ``error:`` line; finished files and partial copies stay, and the same command
+  resumes.
 - ``dest/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
   first and written last: a half-staged folder has none, and the loader
   refuses it.
@@ -23,6 +32,7 @@ No Spark here: trainers run this.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -35,7 +45,25 @@ from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION
 
 MARGIN = 16 << 20  # free space kept besides what the copy needs
-CHUNK = 1 << 20
+CHUNK = 8 << 20  # bytes per read: one ranged request on an HTTP store
+RANGE_MB = 64.0  # files larger than this are copied as parallel ranges of this size
+
+
+class StoreGone(ShardError):
+    """The source store stopped answering during the copy."""
+
+
+def _is_store_failure(e: BaseException) -> bool:
+    if isinstance(e, ShardError):
+        return False
+    try:
+        import requests
+
+        if isinstance(e, requests.RequestException):
+            return True
+    except ImportError:
+        pass
+    return isinstance(e, (OSError, RuntimeError, ConnectionError, TimeoutError))
 
 
 class _Progress:
@@ -92,8 +120,22 @@ def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
 
 
 def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: float | None = None,
-          fs=None, out=sys.stderr) -> dict:
+          fs=None, out=sys.stderr, range_mb: float = RANGE_MB) -> dict:
     """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict."""
+    try:
+        return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
+                      range_bytes=max(int(range_mb * (1 << 20)), CHUNK))
+    except Exception as e:
+        if not _is_store_failure(e):
+            raise
+        msg = str(e).splitlines()[0][:160] if str(e) else ""
+        raise StoreGone(f"{shards}: the store stopped answering while node {node} was staged "
+                        f"({type(e).__name__}{': ' + msg if msg else ''}); finished and partial files in {dest} "
+                        "are kept: run the same command again when the store is back, it resumes") from None
+
+
+def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float | None, fs, out,
+           range_bytes: int) -> dict:
     src_fs, src_base = mf.resolve(shards, fs)
     m = mf.load(shards, fs)
     if int(m["format_version"]) != FORMAT_VERSION:
@@ -124,7 +166,10 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
     need = 0
     for rel, size, _ in pending:
         part = os.path.join(dest, rel) + ".part"
-        have = os.path.getsize(part) if os.path.isfile(part) else 0
+        if size > range_bytes:
+            have = sum(min(range_bytes, size - r * range_bytes) for r in _ranges_done(part, size, range_bytes))
+        else:
+            have = os.path.getsize(part) if os.path.isfile(part) else 0
         need += size - min(have, size)
     free = disk_free(dest)
     if free < need + MARGIN:
@@ -136,6 +181,68 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
     chunk = CHUNK if not limit_mbps else max(4096, min(CHUNK, int(limit_mbps * 1e6 / 20)))
     stop = threading.Event()
     resumed = []
+
+    def open_src(src_path: str):
+        try:
+            return src_fs.open_input_file(src_path)
+        except FileNotFoundError:
+            raise ShardError(f"{src_path}: the manifest lists this file but it is missing: the shard set "
+                             "is incomplete or was changed after preshard; rerun `userwise preshard`") from None
+
+    def finish_file(rel: str, part: str, final: str) -> None:
+        if rel.endswith(".parquet"):
+            try:
+                mf.check_parquet(part, m)
+            except ShardError:
+                os.remove(part)
+                raise
+        os.replace(part, final)
+        prog.file_done()
+
+    big = {}  # rel -> [ranges left, lock, size, sha]
+
+    def one_range(rel: str, size: int, sha: str, r: int) -> None:
+        final = os.path.join(dest, rel)
+        part = final + ".part"
+        src_path = mf.join(src_base, rel)
+        start, end = r * range_bytes, min(size, (r + 1) * range_bytes)
+        fd = os.open(part, os.O_WRONLY)
+        try:
+            with open_src(src_path) as src:
+                src.seek(start)
+                pos = start
+                while pos < end and not stop.is_set():
+                    b = src.read(min(chunk, end - pos))
+                    if not b:
+                        break
+                    os.pwrite(fd, b, pos)
+                    pos += len(b)
+                    prog.add(len(b))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if stop.is_set():
+            return
+        if pos != end:
+            raise ShardError(f"{src_path}: {pos - start} bytes at offset {start}, the manifest says the file has "
+                             f"{size}: the source file was changed after preshard; rerun `userwise preshard`")
+        state = big[rel]
+        with state[1]:
+            _mark_range(part, r, range_bytes)
+            state[0].discard(r)
+            last = not state[0]
+        if not last:
+            return
+        with open(part, "rb") as f:
+            h, n = mf.hash_stream(f)
+        if n != size or h.hexdigest() != sha:
+            os.remove(part)
+            _remove_ranges(part)
+            raise ShardError(f"{src_path}: checksum mismatch ({n} bytes, sha256 {h.hexdigest()[:12]}..; "
+                             f"manifest: {size} bytes, {sha[:12]}..): the source file is corrupt or "
+                             "was changed after preshard; rerun `userwise preshard`")
+        _remove_ranges(part)
+        finish_file(rel, part, final)
 
     def one(rel: str, size: int, sha: str) -> None:
         final = os.path.join(dest, rel)
@@ -150,11 +257,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
                 if offset:
                     resumed.append(rel)
             src_path = mf.join(src_base, rel)
-            try:
-                src = src_fs.open_input_file(src_path)
-            except FileNotFoundError:
-                raise ShardError(f"{src_path}: the manifest lists this file but it is missing: the shard set "
-                                 "is incomplete or was changed after preshard; rerun `userwise preshard`") from None
+            src = open_src(src_path)
             with src, open(part, "ab" if offset else "wb") as dst:
                 if offset:
                     src.seek(offset)
@@ -177,17 +280,28 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
                 raise ShardError(f"{src_path}: checksum mismatch ({offset} bytes, sha256 {h.hexdigest()[:12]}..; "
                                  f"manifest: {size} bytes, {sha[:12]}..): the source file is corrupt or "
                                  "was changed after preshard; rerun `userwise preshard`")
-        if rel.endswith(".parquet"):
-            try:
-                mf.check_parquet(part, m)
-            except ShardError:
-                os.remove(part)
-                raise
-        os.replace(part, final)
-        prog.file_done()
+        finish_file(rel, part, final)
+
+    tasks = []
+    for rel, size, sha in pending:
+        if size <= range_bytes:
+            tasks.append((one, (rel, size, sha)))
+            continue
+        part = os.path.join(dest, rel) + ".part"
+        os.makedirs(os.path.dirname(part), exist_ok=True)
+        done = _ranges_done(part, size, range_bytes)
+        if done:
+            resumed.append(rel)
+        else:
+            with open(part, "wb") as f:
+                f.truncate(size)
+            _remove_ranges(part)
+        left = set(range(-(-size // range_bytes))) - done
+        big[rel] = [left, threading.Lock(), size, sha]
+        tasks += [(one_range, (rel, size, sha, r)) for r in sorted(left)]
 
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        futs = [ex.submit(one, *it) for it in pending]
+        futs = [ex.submit(fn, *a) for fn, a in tasks]
         done, _ = wait(futs, return_when=FIRST_EXCEPTION)
         err = next((f.exception() for f in done if f.exception() is not None), None)
         if err is not None:
@@ -203,6 +317,48 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
             "mb_per_s": round(prog.done_bytes / 1e6 / max(seconds, 1e-9), 2)}
 
 
+def _ranges_path(part: str) -> str:
+    return part + ".ranges"
+
+
+def _ranges_done(part: str, size: int, range_bytes: int) -> set[int]:
+    """The ranges of a ranged ``.part`` already copied (empty when it is missing or of another size)."""
+    try:
+        if os.path.getsize(part) != size:
+            return set()
+        with open(_ranges_path(part)) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return set()
+    if rec.get("range_bytes") != range_bytes:
+        return set()
+    return {int(r) for r in rec.get("done", [])}
+
+
+def _mark_range(part: str, r: int, range_bytes: int) -> None:
+    p = _ranges_path(part)
+    try:
+        with open(p) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        rec = {"done": []}
+    rec["done"] = sorted(set(rec.get("done", [])) | {r})
+    rec["range_bytes"] = range_bytes
+    tmp = p + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rec, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def _remove_ranges(part: str) -> None:
+    try:
+        os.remove(_ranges_path(part))
+    except FileNotFoundError:
+        pass
+
+
 def disk_free(path: str) -> int:
     return shutil.disk_usage(path).free
 
@@ -211,6 +367,6 @@ def cli(args) -> int:
     import json
 
     rep = stage(args.shards, args.node, args.dest, workers=args.workers,
-                limit_mbps=getattr(args, "limit_mbps", None))
+                limit_mbps=getattr(args, "limit_mbps", None), range_mb=getattr(args, "range_mb", RANGE_MB))
     print(json.dumps(rep))
     return 0

@@ -1,0 +1,328 @@
+"""Where the product's files live: a local path or a cluster store's URL, as one pyarrow filesystem.
+
+Every path the product handles outside Spark (build records, completion records, locks,
+Delta logs read for versions and sizes, shard sets, manifests) goes through
+:func:`filesystem`, so that a build folder or a shard set on ``hdfs://``, ``s3://`` or
+``gs://`` works as a local folder does. Spark reads and writes the same URLs with its own
+Hadoop client (``--conf`` passes its settings).
+
+- a path or ``file://`` URL: pyarrow's local filesystem;
+- ``hdfs://nn:port/p``: pyarrow's native HDFS client where libhdfs is installed (a Hadoop
+  distribution on the machine, ``ARROW_LIBHDFS_DIR`` / ``HADOOP_HOME``), else WebHDFS
+  through fsspec at ``$USERWISE_WEBHDFS`` (``host:port`` of the name node's HTTP server;
+  default: the name node's host, port 9870);
+- ``webhdfs://host:port/p``: WebHDFS at that address;
+- any other URL: pyarrow's own filesystem for it (``s3://``, ``gs://``, with the standard
+  credentials of each), else fsspec's.
+
+Example::
+
+    fs, p = storage.filesystem("hdfs://nn:8020/warehouse/D")
+    storage.write_bytes("hdfs://nn:8020/warehouse/D/_userwise/x.json", b"{}")
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import posixpath
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+WEBHDFS_ENV = "USERWISE_WEBHDFS"
+
+
+class StorageError(OSError):
+    """A location that no filesystem here can open."""
+
+
+def is_local(path: str) -> bool:
+    return "://" not in str(path) or str(path).startswith("file:")
+
+
+def local_path(path: str) -> str:
+    """The absolute local path of a path or ``file:`` URL."""
+    path = str(path)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif path.startswith("file:"):
+        path = path[len("file:"):]
+    return os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    """``base/part/...`` for a local path or a URL (never ``os.path`` on a URL)."""
+    if is_local(base) and not str(base).startswith("file:"):
+        return os.path.join(base, *parts)
+    return posixpath.join(str(base).rstrip("/"), *parts)
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; a URL as it is (without a trailing slash)."""
+    return os.path.abspath(path) if "://" not in str(path) else str(path).rstrip("/")
+
+
+@functools.lru_cache(maxsize=None)
+def _native_hdfs(host: str, port: int):
+    try:
+        return pafs.HadoopFileSystem(host, port)
+    except (OSError, ImportError, RuntimeError):  # no libhdfs / JVM here: WebHDFS instead
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _webhdfs(host: str, port: int, user: str | None):
+    import fsspec
+
+    fs = fsspec.filesystem("webhdfs", host=host, port=port, user=user, skip_instance_cache=True)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def _webhdfs_address(default_host: str) -> tuple[str, int]:
+    addr = os.environ.get(WEBHDFS_ENV, "").strip()
+    if addr.startswith(("http://", "https://", "webhdfs://")):
+        addr = addr.split("://", 1)[1]
+    addr = addr.rstrip("/")
+    if not addr:
+        return default_host or "localhost", 9870
+    host, _, port = addr.rpartition(":")
+    if not host:
+        return addr, 9870
+    return host, int(port)
+
+
+def filesystem(url: str) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a local path or any URL (module docstring).
+
+    Raises :class:`StorageError` (one line) when nothing here opens it."""
+    url = str(url)
+    if is_local(url):
+        return pafs.LocalFileSystem(), local_path(url)
+    u = urlsplit(url)
+    path = u.path.rstrip("/") or "/"
+    if u.scheme == "hdfs":
+        if not os.environ.get(WEBHDFS_ENV):
+            native = _native_hdfs(u.hostname or "default", u.port or 8020)
+            if native is not None:
+                return native, path
+        host, port = _webhdfs_address(u.hostname or "localhost")
+        return _webhdfs(host, port, u.username or os.environ.get("HADOOP_USER_NAME") or _user()), path
+    if u.scheme in ("webhdfs", "swebhdfs"):
+        return _webhdfs(u.hostname or "localhost", u.port or 9870,
+                        u.username or os.environ.get("HADOOP_USER_NAME") or _user()), path
+    try:
+        f, p = pafs.FileSystem.from_uri(url)
+        return f, p.rstrip("/") or "/"
+    except Exception:  # noqa: BLE001 - not a pyarrow scheme: try fsspec
+        try:
+            import fsspec
+
+            f, p = fsspec.core.url_to_fs(url)
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"{url}: cannot open this location ({e}); use a local path or a URL of "
+                               "hdfs://, s3://, gs:// or another fsspec filesystem") from None
+        return pafs.PyFileSystem(pafs.FSSpecHandler(f)), p.rstrip("/") or "/"
+
+
+def _user() -> str | None:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None
+
+
+def info(url: str) -> pafs.FileInfo:
+    fs, p = filesystem(url)
+    return fs.get_file_info(p)
+
+
+def exists(url: str) -> bool:
+    return info(url).type != pafs.FileType.NotFound
+
+
+def is_dir(url: str) -> bool:
+    return info(url).type == pafs.FileType.Directory
+
+
+def listdir(url: str) -> list[str]:
+    """Base names in a folder ([] when it does not exist)."""
+    fs, p = filesystem(url)
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    return [posixpath.basename(i.path.rstrip("/")) for i in fs.get_file_info(pafs.FileSelector(p))]
+
+
+def read_bytes(url: str) -> bytes | None:
+    """The file's bytes; None when it does not exist."""
+    fs, p = filesystem(url)
+    try:
+        with fs.open_input_stream(p) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if fs.get_file_info(p).type == pafs.FileType.NotFound:
+            return None
+        raise
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write ``data`` so that readers see the old file or the whole new one: a temporary
+    file next to it, then one rename (local: after fsync)."""
+    if is_local(url):
+        p = local_path(url)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        tmp = f"{p}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+        return
+    fs, p = filesystem(url)
+    fs.create_dir(posixpath.dirname(p), recursive=True)
+    tmp = f"{posixpath.dirname(p)}/.{posixpath.basename(p)}.tmp-{os.getpid()}"
+    with fs.open_output_stream(tmp) as fh:
+        fh.write(data)
+    replace(fs, tmp, p)
+
+
+def remove(url: str) -> None:
+    fs, p = filesystem(url)
+    try:
+        fs.delete_file(p)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if fs.get_file_info(p).type != pafs.FileType.NotFound:
+            raise
+
+
+def create_exclusive(url: str, data: bytes) -> bool:
+    """Create ``url`` holding ``data`` unless it exists; False when it does (atomic on a
+    local filesystem and on HDFS, whose name node creates a file once: WebHDFS
+    ``CREATE`` with ``overwrite=false``)."""
+    if is_local(url):
+        p = local_path(url)
+        try:
+            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    fs, p = filesystem(url)
+    web = _raw_webhdfs(fs)
+    if web is not None:
+        return _webhdfs_create(web, p, data)
+    if fs.get_file_info(p).type != pafs.FileType.NotFound:
+        return False
+    with fs.open_output_stream(p) as fh:  # object stores: no exclusive create; check, then write
+        fh.write(data)
+    return True
+
+
+def _raw_webhdfs(fs):
+    """The fsspec WebHDFS client behind a pyarrow filesystem, or None."""
+    raw = getattr(getattr(fs, "handler", None), "fs", None)
+    try:
+        from fsspec.implementations.webhdfs import WebHDFS
+    except ImportError:
+        return None
+    return raw if isinstance(raw, WebHDFS) else None
+
+
+def _webhdfs_create(fs, path: str, data: bytes) -> bool:
+    """WebHDFS CREATE with overwrite=false: the name node creates a file once."""
+    try:
+        r = fs._call("CREATE", method="put", path=path, redirect=False, overwrite="false")
+    except RuntimeError as e:
+        if "exist" in str(e).lower():
+            return False
+        raise OSError(f"{path}: {e}") from None
+    r2 = fs.session.put(fs._apply_proxy(r.headers["Location"]), data=data,
+                        headers={"content-type": "application/octet-stream"})
+    if r2.status_code >= 400:
+        if "FileAlreadyExists" in r2.text or "already exists" in r2.text:
+            return False
+        raise OSError(f"{path}: WebHDFS CREATE failed ({r2.status_code}: {r2.text[:200]})")
+    return True
+
+
+def mtime(url: str) -> float | None:
+    fs, p = filesystem(url)
+    web = _raw_webhdfs(fs)
+    if web is not None:  # pyarrow's wrapper does not carry WebHDFS' modificationTime
+        try:
+            return web.info(p)["modificationTime"] / 1000.0
+        except FileNotFoundError:
+            return None
+    i = fs.get_file_info(p)
+    if i.type == pafs.FileType.NotFound:
+        return None
+    return i.mtime.timestamp() if i.mtime is not None else None
+
+
+def touch(url: str) -> None:
+    """Renew the file's modification time (local: utime; HDFS: SETTIMES)."""
+    if is_local(url):
+        os.utime(local_path(url))
+        return
+    fs, p = filesystem(url)
+    web = _raw_webhdfs(fs)
+    if web is not None:
+        import time
+
+        web._call("SETTIMES", method="put", path=p, modificationtime=str(int(time.time() * 1000)))
+        return
+    data = read_bytes(url)  # object stores: rewrite the object
+    if data is not None:
+        with fs.open_output_stream(p) as fh:
+            fh.write(data)
+
+
+def rename(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` (one rename; False when ``src`` is gone)."""
+    if is_local(src):
+        try:
+            os.rename(local_path(src), local_path(dst))
+            return True
+        except FileNotFoundError:
+            return False
+    fs, p = filesystem(src)
+    _, q = filesystem(dst)
+    return _move(fs, p, q)
+
+
+def replace(fs: pafs.FileSystem, tmp: str, path: str) -> None:
+    """Move ``tmp`` onto ``path`` inside ``fs`` (one rename; on HDFS, whose rename never
+    replaces a file, the old file is removed first: readers see no file for that moment)."""
+    hdfs = _raw_webhdfs(fs) is not None or isinstance(fs, pafs.HadoopFileSystem)
+    if hdfs and fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+    if not _move(fs, tmp, path):
+        raise OSError(f"{tmp}: gone before its rename to {path}")
+
+
+def _move(fs: pafs.FileSystem, p: str, q: str) -> bool:
+    web = _raw_webhdfs(fs)
+    if web is not None:  # HDFS answers false (no error) when the source is gone or the target exists
+        try:
+            ok = web._call("RENAME", method="put", path=p, destination=q).json().get("boolean")
+        except FileNotFoundError:
+            return False
+        if not ok and fs.get_file_info(p).type != pafs.FileType.NotFound:
+            raise OSError(f"cannot rename {p} to {q} (the target exists or its folder is missing)")
+        return bool(ok)
+    try:
+        fs.move(p, q)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        if fs.get_file_info(p).type == pafs.FileType.NotFound:
+            return False
+        raise
