@@ -103,6 +103,10 @@ def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) ->
     the system pool as the process's default). Every page's CRC32 (preshard writes one) is
     checked as it is read: a corrupt page fails the read, whatever ``verify`` checked before."""
     pool = read_pool() if pool is None else pool
+    if "://" in path and not path.startswith("file:"):  # read straight from a store: the slow path
+        from userwise.pipelines.loader.shards import source
+
+        path, memory_map = source(path), False
     if pool == "arrow":
         return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
     if pool != "system":

@@ -71,6 +71,16 @@ class NodeShards:
         return self._cols[name]
 
 
+def source(path: str):
+    """What pyarrow opens for a shard: the local path itself, or for a URL (a shard set read
+    straight from cluster storage, the slow path: the README's "Cluster storage") a file of
+    the store's filesystem (``pipelines/runtime/storage.py``)."""
+    if "://" not in path or path.startswith("file:"):
+        return path
+    fs, p = mf.resolve(path)
+    return fs.open_input_file(p)
+
+
 def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -> NodeShards:
     """Open (and verify) one node's shards under ``root``.
 
@@ -99,7 +109,7 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
         path = os.path.join(root, s["path"])
         mf.check_files(root, s, verify=verify)
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(source(path))
         except Exception as e:  # noqa: BLE001 (any footer error is a bad shard)
             raise ShardError(f"{path}: not a readable Parquet file ({e}); re-stage it") from None
         mf.check_footer(pf, man, path, rows=s["rows"])

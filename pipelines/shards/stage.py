@@ -124,7 +124,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
     """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict."""
     try:
         return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
-                      range_bytes=max(int(range_mb * (1 << 20)), CHUNK))
+                      range_bytes=max(int(range_mb * (1 << 20)), 1 << 16))
     except Exception as e:
         if not _is_store_failure(e):
             raise
