@@ -26,8 +26,10 @@ has shards, the set's manifest still has the recorded checksum.
 
 Why the staging folder: a retried or forced preshard never writes into a set
 that readers may be using; the swap is two renames on a local or POSIX
-shared filesystem. (On an object store, copy the set and rely on the marker:
-readers must only read sets whose ``_PUBLISHED.json`` exists.)
+shared filesystem and on HDFS (a folder rename is one name node operation).
+``S`` and ``D`` may be URLs (``pipelines/runtime/storage.py``). (On an object
+store, where a folder rename is a copy, rely on the marker: readers must only
+read sets whose ``_PUBLISHED.json`` exists.)
 
     python -m userwise.pipelines.shards.publish --output D --shards S --date 2026-01-04 [--window-days N]
     python -m userwise.pipelines.shards.publish --output D --shards S --kind pretrain --as-of 2026-02-01
@@ -42,9 +44,11 @@ import os
 import re
 import shutil
 import sys
-from pathlib import Path
+
+import pyarrow.fs as pafs
 
 from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.runtime import storage
 from userwise.pipelines.shards import manifest as mf
 
 FORMAT_VERSION = 1
@@ -73,15 +77,15 @@ def set_key(kind: str, date=None, as_of=None) -> str:
 
 
 def staging_root(shards: str, key: str) -> str:
-    return os.path.join(os.path.abspath(shards), "_staging", key)
+    return storage.join(storage.absolute(shards), "_staging", key)
 
 
 def set_root(shards: str, key: str) -> str:
-    return os.path.join(os.path.abspath(shards), key)
+    return storage.join(storage.absolute(shards), key)
 
 
 def record_path(output: str, kind: str, key_date) -> str:
-    return os.path.join(os.path.abspath(output), "_userwise", "published", kind, f"{_d(key_date).isoformat()}.json")
+    return storage.join(storage.absolute(output), "_userwise", "published", kind, f"{_d(key_date).isoformat()}.json")
 
 
 def delta_version(path: str) -> int | None:
@@ -91,38 +95,27 @@ def delta_version(path: str) -> int | None:
     removes entries older than the newest checkpoint), so the largest name is
     the table's version.
     """
-    log = Path(path) / "_delta_log"
-    if not log.is_dir():
-        return None
-    found = [int(m.group(1)) for n in os.listdir(log) if (m := _LOG_ENTRY.match(n))]
+    found = [int(m.group(1)) for n in storage.listdir(storage.join(path, "_delta_log"))
+             if (m := _LOG_ENTRY.match(n))]
     return max(found) if found else None
 
 
 def table_versions(output: str) -> dict[str, int]:
     out = {}
     for t in TABLES:
-        v = delta_version(os.path.join(os.path.abspath(output), t))
+        v = delta_version(storage.join(storage.absolute(output), t))
         if v is not None:
             out[t] = v
     return out
 
 
 def _write_json(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    storage.write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def read_record(output: str, kind: str, key_date) -> dict | None:
-    p = record_path(output, kind, key_date)
-    if not os.path.exists(p):
-        return None
-    with open(p) as fh:
-        return json.load(fh)
+    data = storage.read_bytes(record_path(output, kind, key_date))
+    return None if data is None else json.loads(data)
 
 
 def is_published(output: str, kind: str, key_date, shards: str | None = None) -> bool:
@@ -136,20 +129,16 @@ def is_published(output: str, kind: str, key_date, shards: str | None = None) ->
     if not sh:
         return False
     root = set_root(shards, set_key(kind, date=key_date, as_of=key_date))
-    man = os.path.join(root, mf.MANIFEST)
-    return (os.path.abspath(sh["root"]) == root and os.path.exists(man)
-            and os.path.exists(os.path.join(root, MARKER)) and mf.file_sha256(man) == sh["manifest_sha256"])
+    man = storage.join(root, mf.MANIFEST)
+    return (storage.absolute(sh["root"]) == root and storage.exists(man)
+            and storage.exists(storage.join(root, MARKER)) and mf.file_sha256(man) == sh["manifest_sha256"])
 
 
 def unpublish(output: str, kind: str, key_date, shards: str | None = None) -> None:
     """Remove the day's record (first) and its set's marker: the day reads as not published."""
-    p = record_path(output, kind, key_date)
-    if os.path.exists(p):
-        os.remove(p)
+    storage.remove(record_path(output, kind, key_date))
     if shards:
-        m = os.path.join(set_root(shards, set_key(kind, date=key_date, as_of=key_date)), MARKER)
-        if os.path.exists(m):
-            os.remove(m)
+        storage.remove(storage.join(set_root(shards, set_key(kind, date=key_date, as_of=key_date)), MARKER))
 
 
 def _prune(root: str, man: dict) -> None:
@@ -157,11 +146,10 @@ def _prune(root: str, man: dict) -> None:
     keep = {mf.MANIFEST}
     for s in man["shards"]:
         keep.update(p for p, _, _ in mf.shard_files(s))
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), root)
-            if rel not in keep:
-                os.remove(os.path.join(dirpath, f))
+    fs, base = storage.filesystem(root)
+    for i in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
+        if i.type == pafs.FileType.File and i.path[len(base):].lstrip("/") not in keep:
+            fs.delete_file(i.path)
 
 
 def move_into_place(staging: str, final: str) -> str:
@@ -170,23 +158,38 @@ def move_into_place(staging: str, final: str) -> str:
     Idempotent for retries: when staging is gone but ``final`` holds a valid set
     (a retry after the swap), it only re-verifies ``final``.
     """
-    if os.path.isdir(staging):
+    fs, final_p = storage.filesystem(final)
+    parent, name = final_p.rsplit("/", 1)
+    if storage.is_dir(staging):
         man = mf.load(staging)
         _prune(staging, man)
         mf.verify(staging, checksums=True)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        fs.create_dir(parent, recursive=True)
         old = f"{final}.old-{os.getpid()}"
-        if os.path.exists(final):
-            os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    elif not os.path.exists(os.path.join(final, mf.MANIFEST)):
+        if storage.exists(final):
+            storage.rename(final, old)
+        if not storage.rename(staging, final):
+            raise ShardError(f"{staging}: could not move the staged set to {final}; publish again")
+        _rmtree(old)
+    elif not storage.exists(storage.join(final, mf.MANIFEST)):
         raise ShardError(f"{staging}: no staged shard set and none published at {final}; "
                          "run `userwise preshard --output " + staging + "` first")
-    for leftover in Path(final).parent.glob(Path(final).name + ".old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    for i in fs.get_file_info(pafs.FileSelector(parent)):
+        if i.base_name.startswith(name + ".old-") and i.type == pafs.FileType.Directory:
+            _rmtree(final[: len(final) - len(name)] + i.base_name)
     mf.verify(final, checksums=False)
-    return mf.file_sha256(os.path.join(final, mf.MANIFEST))
+    return mf.file_sha256(storage.join(final, mf.MANIFEST))
+
+
+def _rmtree(path: str) -> None:
+    if storage.is_local(path):
+        shutil.rmtree(storage.local_path(path), ignore_errors=True)
+        return
+    fs, p = storage.filesystem(path)
+    try:
+        fs.delete_dir(p)
+    except (OSError, RuntimeError):
+        pass
 
 
 def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, shards: str | None = None,
@@ -205,7 +208,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     else:
         rec.update(as_of=_d(as_of).isoformat())
     if "samples" not in rec["tables"]:
-        raise UserwiseError(f"{os.path.join(output, 'samples')}: no samples table; run the window/pretrain job "
+        raise UserwiseError(f"{storage.join(output, 'samples')}: no samples table; run the window/pretrain job "
                             "before publishing")
     if shards:
         final = set_root(shards, key)
@@ -217,7 +220,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     rec["published_at"] = (now or dt.datetime.now(dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
     key_date = date if kind == "incremental" else as_of
     if shards:
-        _write_json(os.path.join(set_root(shards, key), MARKER), rec)
+        _write_json(storage.join(set_root(shards, key), MARKER), rec)
     _write_json(record_path(output, kind, key_date), rec)  # last: the day counts as published from here
     return rec
 

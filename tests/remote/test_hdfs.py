@@ -198,3 +198,27 @@ def test_store_gone_mid_stage_one_error_then_rerun_resumes(store, big_set, tmp_p
     rep = stage.stage(big_set, 0, str(dest), workers=2, range_mb=0.0625, out=open(os.devnull, "w"))
     assert rep["bytes"] < total and rep["skipped"] + rep["resumed"] >= 1
     assert mf.verify(str(dest), node=0)["files"] == len(files)
+
+
+def test_publish_moves_a_set_into_place_on_hdfs(store):
+    """publish on HDFS: the staged set moves in with one folder rename, the marker and the day's
+    record are written last; a republish swaps the set again."""
+    from userwise import schemas
+    from userwise.pipelines.shards import preshard, publish
+    from userwise.pipelines.tools.shardgen import build_samples, layout
+
+    out, shards = f"{store.url}/pub/D", f"{store.url}/pub/S"
+    storage.write_bytes(f"{out}/samples/_delta_log/{0:020d}.json", b"{}")  # a samples table at version 0
+    key = publish.set_key("incremental", date="2026-01-04")
+    for seed in (1, 2):
+        preshard.preshard_arrow(build_samples(seed=seed), publish.staging_root(shards, key),
+                                schema=schemas.shard_schema(layout()).to_arrow(), nodes=1, ranks_per_node=1,
+                                seed=4, compression="none")
+        rec = publish.publish(out, date="2026-01-04", shards=shards)
+        assert rec["shards"]["root"] == f"{shards}/{key}" and rec["tables"] == {"samples": 0}
+        assert publish.is_published(out, "incremental", "2026-01-04", shards)
+        assert not storage.exists(publish.staging_root(shards, key))
+        assert mf.load(f"{shards}/{key}")["seed"] == 4
+    assert [n for n in storage.listdir(f"{shards}/incremental") if ".old-" in n] == []
+    publish.unpublish(out, "incremental", "2026-01-04", shards)
+    assert not publish.is_published(out, "incremental", "2026-01-04", shards)
