@@ -155,15 +155,18 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
 
 
 def build_samples(*, seed: int = 0, users: int = 40, heavy: int = 3, bot_chunks: int = 16, windows: int = 3,
-                  cap: int = 200) -> pa.Table:
+                  cap: int = 200, null_share: float = 0.0) -> pa.Table:
     """A build's samples table: a pretrain set and ``windows`` daily windows (the last one
     ends at ``BUILD_START + windows - 1`` days), each with ``users`` light users, ``heavy``
-    users in three chunks and the bot in ``bot_chunks`` chunks, costs below ``cap``."""
+    users in three chunks and the bot in ``bot_chunks`` chunks, costs below ``cap``.
+    ``null_share``: the share of null ``imp__score`` elements (none by default: a table
+    that travels through pandas into Spark would turn them into NaN)."""
     sets = [("pretrain", dt.date(2025, 12, 1), BUILD_START - dt.timedelta(days=1))]
     sets += [("incremental", BUILD_START + dt.timedelta(days=i - 1), BUILD_START + dt.timedelta(days=i))
              for i in range(windows)]
     parts = [make_samples(users, kind=kind, window_start=ws.isoformat(), window_end=we.isoformat(),
-                          seed=seed * 100 + i, max_events=cap // 2, heavy=heavy, bot_chunks=bot_chunks, cap=cap)
+                          seed=seed * 100 + i, max_events=cap // 2, heavy=heavy, bot_chunks=bot_chunks, cap=cap,
+                          null_share=null_share)
              for i, (kind, ws, we) in enumerate(sets)]
     return pa.concat_tables(parts)
 
