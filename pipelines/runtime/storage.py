@@ -12,8 +12,9 @@ Hadoop client (``--conf`` passes its settings).
   through fsspec at ``$USERWISE_WEBHDFS`` (``host:port`` of the name node's HTTP server;
   default: the name node's host, port 9870);
 - ``webhdfs://host:port/p``: WebHDFS at that address;
-- any other URL: pyarrow's own filesystem for it (``s3://``, ``gs://``, with the standard
-  credentials of each), else fsspec's.
+- any other URL: pyarrow's own filesystem for it (``s3://`` and Hadoop's ``s3a://``,
+  ``gs://``, with the standard credentials of each: ``AWS_*`` variables and
+  ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``), else fsspec's.
 
 Example::
 
@@ -111,6 +112,8 @@ def filesystem(url: str) -> tuple[pafs.FileSystem, str]:
     if u.scheme in ("webhdfs", "swebhdfs"):
         return _webhdfs(u.hostname or "localhost", u.port or 9870,
                         u.username or os.environ.get("HADOOP_USER_NAME") or _user()), path
+    if u.scheme in ("s3a", "s3n"):  # Hadoop's names for S3: pyarrow's S3 (AWS_* variables, AWS_ENDPOINT_URL)
+        url = "s3" + url[len(u.scheme):]
     try:
         f, p = pafs.FileSystem.from_uri(url)
         return f, p.rstrip("/") or "/"
