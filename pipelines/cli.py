@@ -265,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             from userwise.pipelines.build.inputs import with_version
 
             args.input = with_version(args.input, args.input_version)
-        if getattr(args, "conf", None):
+        if hasattr(args, "conf"):  # a Spark command: its --conf settings, and only these
             from userwise.pipelines.runtime import spark as spark_runtime
 
+            spark_runtime.CLI_CONF.clear()
             spark_runtime.CLI_CONF.update(dict(args.conf))
         from userwise.pipelines.build import writer_lock
 
