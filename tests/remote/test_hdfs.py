@@ -222,3 +222,17 @@ def test_publish_moves_a_set_into_place_on_hdfs(store):
     assert [n for n in storage.listdir(f"{shards}/incremental") if ".old-" in n] == []
     publish.unpublish(out, "incremental", "2026-01-04", shards)
     assert not publish.is_published(out, "incremental", "2026-01-04", shards)
+
+
+def test_conf_reaches_the_session_builder(tmp_path, capsys):
+    """`--conf key=value` (repeatable) is what get_spark applies last; a malformed one is a usage error."""
+    from userwise.pipelines.runtime import spark as spark_runtime
+
+    rc = cli.main(["expand", "--samples", str(tmp_path / "none"), "--output", str(tmp_path / "x"),
+                   "--conf", "spark.hadoop.fs.s3a.endpoint=http://127.0.0.1:9000", "--conf", "spark.a=b=c"])
+    assert rc == 2 and capsys.readouterr().err.startswith("error: ")
+    assert spark_runtime.CLI_CONF == {"spark.hadoop.fs.s3a.endpoint": "http://127.0.0.1:9000", "spark.a": "b=c"}
+    with pytest.raises(SystemExit) as e:
+        cli.main(["expand", "--samples", "s", "--output", "o", "--conf", "novalue"])
+    assert e.value.code == 2
+    spark_runtime.CLI_CONF.clear()
