@@ -97,8 +97,8 @@ def load(root: str, fs=None) -> dict:
     f, base = resolve(root, fs)
     path = join(base, MANIFEST)
     if not _exists(f, path):
-        raise ShardError(f"{path}: no manifest; the shard set is incomplete (preshard did not finish) "
-                         "or this is not a shard set root: rerun `userwise preshard`")
+        raise ShardError(f"{path}: no manifest; the shard set is incomplete (preshard or stage did not "
+                         "finish) or this is not a shard set root: rerun `userwise preshard` or `userwise stage`")
     try:
         with f.open_input_stream(path) as src:
             m = json.loads(src.read().decode())

@@ -148,6 +148,17 @@ def test_newer_format_refused(shards, tmp_path):
         stage.stage(shards, 0, str(tmp_path / "d"))
 
 
+def test_a_shard_of_an_unlisted_set_is_refused_by_stage_and_the_loader(shards, tmp_path):
+    """One manifest reader (shards/manifest.py) for stage and the loader: the same refusal."""
+    from userwise.pipelines.loader import UserwiseDataset
+
+    _edit_manifest(shards, lambda m: m["shards"][0].update(set="incremental/2099-01-01"))
+    for read in (lambda: stage.stage(shards, 0, str(tmp_path / "d")),
+                 lambda: UserwiseDataset(shards, node=0, verify="none")):
+        with pytest.raises(ShardError, match=r"shards\[0\] .* belongs to set 'incremental/2099-01-01', which is not listed"):
+            read()
+
+
 def test_schema_that_differs_refused(shards, tmp_path):
     def rename(m):
         m["schema"][-1][0] = "imp__renamed"
