@@ -54,7 +54,13 @@ class StoreGone(ShardError):
 
 
 def _is_store_failure(e: BaseException) -> bool:
-    if isinstance(e, ShardError):
+    """A failure of the remote source (connection refused or reset, timeouts, the store's own
+    errors), not of the local disk (full, read-only, no permission) nor of the shard set."""
+    import errno
+
+    if isinstance(e, (ShardError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         return False
     try:
         import requests
@@ -126,7 +132,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
         return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
                       range_bytes=max(int(range_mb * (1 << 20)), 1 << 16))
     except Exception as e:
-        if not _is_store_failure(e):
+        if (fs is None and "://" not in shards) or not _is_store_failure(e):
             raise
         msg = str(e).splitlines()[0][:160] if str(e) else ""
         raise StoreGone(f"{shards}: the store stopped answering while node {node} was staged "
