@@ -38,6 +38,12 @@ import pyarrow.dataset as ds
 from userwise.pipelines.errors import InputError
 from userwise.schemas.layout import storage_name
 
+
+class FileSystemUnavailable(InputError):
+    """pyarrow cannot open the input's file system (e.g. s3a://, hdfs:// without libhdfs):
+    the build then reads it through Spark's own (Hadoop) file systems."""
+
+
 SOURCE_FIELD = "userwise.source_field"  # Spark column metadata: the input's Arrow field (base64 IPC)
 _VERSION = re.compile(r"^(.*)@v(\d+)$")
 
@@ -75,7 +81,8 @@ def _fs(path: str):
     try:
         return storage.filesystem(path)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
-        raise InputError(f"input {path!r}: cannot open its file system ({e})") from None
+        raise FileSystemUnavailable(f"input {path!r}: pyarrow cannot open its file system ({e}); the build "
+                                    "reads it through Spark, validate needs a file system pyarrow reads") from None
 
 
 def _kind(path: str) -> str | None:
@@ -333,8 +340,11 @@ def read_spark(spark, spec: str, with_row_ids: bool = True):
 
     from userwise.pipelines.config import check_types
 
-    srcs = resolve(spec)
-    source = input_schema(spec)
+    try:
+        srcs = resolve(spec)
+        source = input_schema(spec)
+    except FileSystemUnavailable:
+        return _read_hadoop(spark, spec, with_row_ids)
     check_types(source)  # before Spark meets a type it cannot read (validate's own error)
     if any(_has_nanos(f.type) for f in source):
         spark.conf.set("spark.sql.legacy.parquet.nanosAsLong", "true")
@@ -358,6 +368,53 @@ def read_spark(spark, spec: str, with_row_ids: bool = True):
     if with_row_ids:
         cols += [F.col("_file"), F.col("_row")]
     return df.select(*cols)
+
+
+def _read_hadoop(spark, spec: str, with_row_ids: bool):
+    """:func:`read_spark` for inputs on a file system only Spark reads: resolved through
+    Hadoop's file systems, typed as Spark reads them."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.utils import AnalysisException
+
+    jvm, conf = spark._jvm, spark._jsc.hadoopConfiguration()
+
+    def status(p: str):
+        jp = jvm.org.apache.hadoop.fs.Path(p)
+        fs = jp.getFileSystem(conf)
+        return fs.getFileStatus(jp) if fs.exists(jp) else None
+
+    frames = []
+    for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
+        version = None
+        m = _VERSION.match(part)
+        if m and status(part) is None:
+            part, version = m.group(1), int(m.group(2))
+        glob = any(ch in part for ch in "*?[")
+        st = None if glob else status(part)
+        if not glob and st is None:
+            raise InputError(f"input {part!r} does not exist")
+        try:
+            if st is not None and st.isDirectory() and status(part.rstrip("/") + "/_delta_log") is not None:
+                df = _delta_frame(spark, Source(part, "delta", version))
+            elif version is not None:
+                raise InputError(f"input {part!r} is not a Delta table: a version (@v{version}, --input-version) "
+                                 "reads a Delta table as of that version")
+            else:
+                r = spark.read.option("basePath", part) if st is not None and st.isDirectory() else spark.read
+                df = r.parquet(part)
+                df = df.select("*", F.col("_metadata.file_path").alias("_file"),
+                               F.col("_metadata.row_index").alias("_row"))
+        except AnalysisException as e:
+            raise InputError(f"input {part!r}: {str(e).splitlines()[0]}") from None
+        cols = [c for c in df.columns if c not in ("_file", "_row")]
+        frames.append(df.select(*[F.col(_q(c)).alias(storage_name(c)) for c in cols], "_file", "_row"))
+    df = frames[0]
+    for f in frames[1:]:
+        try:
+            df = df.unionByName(f)
+        except AnalysisException as e:
+            raise InputError(f"the inputs of {spec!r} cannot be read as one table: {str(e).splitlines()[0]}") from None
+    return df if with_row_ids else df.drop("_file", "_row")
 
 
 def source_field(spark_field) -> pa.Field | None:

@@ -272,10 +272,11 @@ def test_round_trip_matches_the_oracle_and_the_input_types(name, corpus, built):
         assert back.field(f.name).type == f.type, (f.name, back.field(f.name).type, f.type)
 
 
-def test_expand_output_is_a_plain_zstd_folder_that_any_reader_reads(built):
+def test_expand_output_is_a_plain_zstd_folder_that_any_reader_reads(built, corpus):
     import duckdb
 
     _, x = built("odd")
+    own = pq.read_schema(corpus["_dir"] / "odd.parquet")
     files = sorted(os.listdir(x))
     assert files and all(f.startswith("part-") and f.endswith(".parquet") for f in files), files
     assert pq.ParquetFile(x / files[0]).metadata.row_group(0).column(0).compression == "ZSTD"
@@ -284,7 +285,9 @@ def test_expand_output_is_a_plain_zstd_folder_that_any_reader_reads(built):
     t = pq.read_table(x)
     assert t.schema.field("request_ts").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("action_ts").type == pa.timestamp("ns")
-    assert t.schema.field("sec").type == pa.timestamp("s", tz="Europe/Paris")
+    # Parquet has no seconds unit: pyarrow writes and reads the seconds column as ms, zone kept
+    assert t.schema.field("sec").type == own.field("sec").type == pa.timestamp("ms", tz="Europe/Paris")
+    assert t.schema.field("ls").type == pa.large_string() and t.schema.field("user.id").type == pa.uint32()
     assert t.column("big").to_pylist() == [2**63 + u for u in t.column("row_uid").to_pylist()]
 
 
@@ -309,6 +312,29 @@ def test_daily_reset_ids_conflict_unless_request_scope_is_user(scope, corpus, bu
     assert diff == [], "\n".join(diff)
     user_report, _ = built("reset-user")
     assert user_report["quarantined"] == {} and user_report["impressions_in_samples"] == 48
+
+
+def test_a_file_system_only_spark_reads_is_read_through_spark(spark, corpus, monkeypatch):
+    """Where pyarrow cannot open the input's file system (s3a://, hdfs:// without libhdfs),
+    the build resolves and reads the input through Spark's Hadoop file systems."""
+    from userwise.pipelines.build import inputs
+
+    d = corpus["_dir"]
+    specs = {f"{d / 'hive'},{d / 'reset.parquet'}": 96, f"{d / 'delta'}@v0": 48}
+    want = {spec: inputs.read_spark(spark, spec) for spec in specs}
+
+    def unavailable(path):
+        raise inputs.FileSystemUnavailable(f"input {path!r}: no file system")
+
+    monkeypatch.setattr(inputs, "_fs", unavailable)
+    key = ["row_uid", "_file", "_row"]
+    for spec, n in specs.items():
+        got = inputs.read_spark(spark, spec)
+        assert sorted(got.columns) == sorted(want[spec].columns), spec
+        assert sorted(got.select(*key).collect()) == sorted(want[spec].select(*key).collect())
+        assert got.count() == n, spec
+    with pytest.raises(inputs.InputError, match="does not exist"):
+        inputs.read_spark(spark, str(d / "nope"))
 
 
 def test_synth_delta_output_builds(spark, tmp_path):
