@@ -20,7 +20,7 @@ import pytest
 from userwise.pipelines.tools.shardgen import write_shard_set
 
 TRAINER = r'''
-import json, os, sys, time
+import json, os, sys, threading, time
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
 root, mode = sys.argv[1], sys.argv[2]
@@ -33,7 +33,10 @@ def say(*a):
 
 
 n = 0
-try:
+
+
+def train():
+    global n
     for b in ld:
         n += 1
         if n == 1:
@@ -43,9 +46,23 @@ try:
                 break
             if mode == "raise":
                 raise ValueError("stand-in training error")
-            if mode == "wait":
+            if mode == "wait-thread":  # a child that holds the trainer's pipe ends open: no EOF for the workers
+                holder = os.fork()
+                if holder == 0:
+                    time.sleep(600)
+                    os._exit(0)
+                say("HOLDER", holder)
+            if mode.startswith("wait"):
                 say("WAITING")
                 time.sleep(600)
+
+
+try:
+    if mode == "wait-thread":  # the workers start from a thread: no kernel signal, the watchdog's case
+        threading.Thread(target=train, daemon=True).start()
+        time.sleep(600)
+    else:
+        train()
 except ValueError:
     pass
 if mode == "close":
@@ -118,12 +135,15 @@ def wait_empty(tmp, within: float = 5.0) -> None:
     assert os.listdir(tmp) == [], "temporary folders left behind"
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "Ctrl-C", "SIGKILL-thread"])
 def test_workers_end_with_a_killed_trainer(tmp_path, shards, how):
     """Mid-epoch, the workers blocked on a full ring: the trainer is killed (SIGKILL: no
     code of its own runs), terminated, or interrupted (SIGINT to its whole process group,
-    as Ctrl-C sends it). Its workers exit within seconds, their temporary folders gone."""
-    p, tmp = start(tmp_path, shards, "wait")
+    as Ctrl-C sends it). Its workers exit within seconds, their temporary folders gone.
+    "SIGKILL-thread": the trainer iterates in a thread of its own and has forked a child
+    that holds the trainer's ends of the workers' pipes, so the workers' exit rests on
+    their watchdog alone (the kernel's signal would follow the thread; the pipes stay open)."""
+    p, tmp = start(tmp_path, shards, "wait-thread" if how.endswith("-thread") else "wait")
     lines = read_until(p, "WAITING")
     workers = pids(lines)
     assert len(workers) == 2 and not any(gone(w) for w in workers)
@@ -132,9 +152,14 @@ def test_workers_end_with_a_killed_trainer(tmp_path, shards, how):
     if how == "Ctrl-C":
         os.killpg(p.pid, signal.SIGINT)
     else:
-        p.send_signal(getattr(signal, how))
+        p.send_signal(getattr(signal, how.split("-")[0]))
     p.wait(timeout=30)
-    assert wait_gone(workers, within=5.0) < 5.0
+    holder = [int(x.split()[1]) for x in lines if x.startswith("HOLDER")]
+    try:
+        assert wait_gone(workers, within=5.0) < 5.0
+    finally:
+        for h in holder:
+            os.kill(h, signal.SIGKILL)
     wait_empty(tmp)
     err = p.stderr.read()
     if how == "Ctrl-C":
