@@ -12,6 +12,7 @@ import sys
 import time
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 import yaml
 
@@ -89,6 +90,23 @@ def test_remote_build_writes_every_table_there_and_equals_the_local_build(spark,
     assert reps["remote"]["bytes_out"] > 0 and reps["remote"]["bytes_in"] > 0
     assert reps["remote"]["samples"] == reps["local"]["samples"]
     assert delta_io.table_bytes(delta_io.table_path(remote, "samples")) > 0  # delta-rs reads hdfs:// too
+
+
+@pytest.mark.spark
+def test_expand_of_the_remote_build_to_hdfs_equals_the_local_one(spark, store, builds, tmp_path):
+    import pyarrow.parquet as pq
+
+    local, remote, _ = builds
+    assert cli.main(["expand", "--samples", local, "--output", str(tmp_path / "P")]) == 0
+    assert cli.main(["expand", "--samples", remote, "--output", f"{store.url}/expanded/P"]) == 0
+    fs = store.arrow()
+    names = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("/expanded/P")))
+    assert names and all(n.startswith("part-") and n.endswith(".parquet") for n in names)  # no _spark scratch left
+    want = pq.read_table(str(tmp_path / "P"))
+    got = pq.read_table("/expanded/P", filesystem=fs)
+    assert got.schema == want.schema and got.num_rows == want.num_rows > 0
+    key = [(c, "ascending") for c in want.column_names if not pa.types.is_nested(want.schema.field(c).type)]
+    assert got.sort_by(key).equals(want.sort_by(key))
 
 
 def test_lock_on_hdfs_is_exclusive(store):
