@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -124,6 +125,14 @@ def test_lock_on_hdfs_is_exclusive(store):
             writer_lock.WriterLock(out, "backfill").acquire()
     with writer_lock.WriterLock(out, "backfill"):  # released: free again
         pass
+    # a killed holder's lock (its pid gone on this host) is taken over
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock = f"{writer_lock.lock_dir(out)}/{writer_lock.EXCLUSIVE}"
+    storage.write_bytes(lock, json.dumps({"job": "build", "pid": int(dead.stdout), "host": socket.gethostname(),
+                                          "started_ts": time.time()}).encode())
+    with writer_lock.WriterLock(out, "window") as w:
+        assert json.loads(storage.read_bytes(lock))["job"] == "window" and w.held
+    assert not storage.exists(lock)
 
 
 @pytest.fixture(scope="module")
