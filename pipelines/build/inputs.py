@@ -109,12 +109,10 @@ def _hidden(path: str) -> bool:
 
 def _glob(pattern: str) -> list[str]:
     if _remote(pattern):
-        try:
-            import fsspec
+        from userwise.pipelines.runtime import storage
 
-            fs, p = fsspec.core.url_to_fs(pattern)
-            proto = pattern.split("://", 1)[0]
-            hits = [f"{proto}://{h}" for h in fs.glob(p)]
+        try:
+            hits = storage.glob(pattern)
         except (ImportError, ValueError, OSError) as e:
             raise InputError(f"input {pattern!r}: cannot expand the glob ({e})") from None
     else:

@@ -137,6 +137,21 @@ def _user() -> str | None:
         return None
 
 
+def glob(pattern: str) -> list[str]:
+    """The URLs matching a glob of a URL (``hdfs://nn:8020/logs/date=2026-01-*``), sorted."""
+    u = urlsplit(pattern)
+    fs, p = filesystem(pattern)
+    raw = getattr(getattr(fs, "handler", None), "fs", None)
+    if raw is None:
+        import fsspec
+
+        raw, p = fsspec.core.url_to_fs(pattern)
+    if u.scheme in ("hdfs", "webhdfs", "swebhdfs"):
+        base = f"{u.scheme}://{u.netloc}"
+        return sorted(base + "/" + h.lstrip("/") for h in raw.glob(p))
+    return sorted(f"{u.scheme}://{h.lstrip('/')}" for h in raw.glob(p))
+
+
 def info(url: str) -> pafs.FileInfo:
     fs, p = filesystem(url)
     return fs.get_file_info(p)
