@@ -8,10 +8,11 @@ Modules, in the order a build runs them:
 - ``pointer``: the pointer itself: each request's ``[seq_begin, seq_end)`` into one
   stored stream per user and window, chunked by cost.
 - ``fat_rows``: legacy logs whose impressions carry a snapshot: stitch, align, overrides.
-- ``history``: the per-user history (newest H events) kept by MERGE.
+- ``history``: every window's stream and the history as of any date, derived from the
+  events; the history table (newest H events per user) kept by a daily MERGE.
 - ``daily``: the daily steps (requests, history, window, pretrain).
-- ``range``: ``userwise build``: every day before as-of in a handful of jobs.
-- ``backfill``: the daily chain over a date range, with publishing.
+- ``range``: ``userwise build``: every day before as-of in a fixed number of jobs.
+- ``backfill``: the daily chain's tables over a date range in one go, then publishing per day.
 - ``build_record``: ``D/_userwise/build.json`` (config, input schema, roles).
 - ``expand``: user-wise samples back to point-wise rows (the lossless round trip).
 

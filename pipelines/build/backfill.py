@@ -1,23 +1,28 @@
-"""``userwise backfill --from D1 --to D2``: the daily chain, day by day, in order.
+"""``userwise backfill --from D1 --to D2``: the daily chain over a range, its tables in one go.
 
-For each UTC day d in [D1, D2] (both inclusive), the same steps as the daily
-DAG, in one Spark session::
+For the UTC days [D1, D2] (both inclusive) it writes what the daily DAG's
+``requests -> history -> window`` would, day by day, but in a fixed number of
+Spark jobs (cost grows with the data, not with the days):
 
-    requests(d) -> history(d) -> window(d) -> preshard (into S/_staging/...) -> publish(d)
+1. requests, events and quarantine of every day: one job;
+2. the history as of the end of D2, derived from the events: one job (each
+   day logged in ``history_log``);
+3. every day's window [d + 1 - N, d + 1): one plan, one commit
+   (:func:`daily.set_samples`, windows may overlap);
+
+then per day, in order, preshard (into S/_staging/...) and publish. The tables
+equal the daily jobs run one by one (tested).
 
 A day whose published record exists (``publish.is_published``) is skipped
-unless ``--force``; since a day is published only after its last step, a
-backfill that failed on day d resumes from d when run again with the same
-arguments. Once one day is (re)built, every later day of the range is rebuilt
-too: day d+1's history starts from day d's. With ``--force`` a day's record
-is removed before it is rebuilt, so a run killed half-way never leaves a
-stale record claiming the day.
+unless ``--force``; the range rebuilt starts at the first day not published
+(every later day is rebuilt too), and its records are removed before any
+table is written, so a run killed half-way never leaves a stale record
+claiming a day, and rerun with the same arguments it resumes from there.
 
-Every step is idempotent (replaceWhere per date; the history MERGEs the next
-date and derives itself from the events table when a date is rerun; a window's
-stream is derived from the events, never from an old history version; preshard
-into a staging folder, publish by rename and marker last), so rerunning a day,
-forced or after a failure, gives the same tables and shards.
+Every step is idempotent (replaceWhere per date; the history derived from the
+events; the windows replaced by set; preshard into a staging folder, publish
+by rename and marker last), so rerunning, forced or after a failure, gives the
+same tables and shards. ``run_day`` is one day's chain (the daily DAG's order).
 """
 
 from __future__ import annotations
@@ -73,21 +78,56 @@ def run_day(spark, cfg, *, input_path: str, output: str, date: dt.date, actions_
     return rec
 
 
+def build_days(spark, cfg, *, input_path: str, output: str, first: dt.date, last: dt.date,
+               actions_path: str | None = None, window_days: int = 1, log=print) -> dict:
+    """The tables of days [first, last] in one go: requests, history, every day's window."""
+    from userwise.pipelines.build import build_record, daily
+    from userwise.pipelines.build.history import History
+
+    t0 = time.monotonic()
+    ing = daily.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
+    _, layout, meta = build_record.load(output)
+    hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
+    wins = [("incremental", d + dt.timedelta(days=1 - window_days), d + dt.timedelta(days=1))
+            for d in days(first, last)]
+    sets = daily.set_samples(spark, cfg, layout, output, wins)
+    log(json.dumps({"from": first.isoformat(), "to": last.isoformat(), "status": "tables built",
+                    "seconds": round(time.monotonic() - t0, 1), "requests": ing.counts,
+                    "history": hist, "samples": sum(s["samples"] for s in sets)}, default=str))
+    return {"counts": ing.counts, "history": hist, "sets": sets}
+
+
 def backfill(spark, cfg, *, date_from, date_to, input_path: str, output: str, actions_path: str | None = None,
              shards: str | None = None, window_days: int = 1, nodes: int = 1, ranks_per_node: int = 1,
              force: bool = False, log=print) -> dict:
     """Run the range; returns {"built": [...], "skipped": [...]} (ISO dates)."""
+    from userwise.pipelines import cli
+
     out = {"built": [], "skipped": []}
-    rebuilding = False
-    for d in days(date_from, date_to):
-        if not force and not rebuilding and publish.is_published(output, "incremental", d, shards):
-            out["skipped"].append(d.isoformat())
-            log(json.dumps({"date": d.isoformat(), "status": "skipped (published)"}))
-            continue
-        rebuilding = True
+    todo = days(date_from, date_to)
+    while todo and not force and publish.is_published(output, "incremental", todo[0], shards):
+        out["skipped"].append(todo[0].isoformat())
+        log(json.dumps({"date": todo[0].isoformat(), "status": "skipped (published)"}))
+        todo = todo[1:]
+    if not todo:
+        return out
+    for d in todo:
         publish.unpublish(output, "incremental", d, shards)
-        run_day(spark, cfg, input_path=input_path, output=output, date=d, actions_path=actions_path,
-                shards=shards, window_days=window_days, nodes=nodes, ranks_per_node=ranks_per_node, log=log)
+    build_days(spark, cfg, input_path=input_path, output=output, first=todo[0], last=todo[-1],
+               actions_path=actions_path, window_days=window_days, log=log)
+    for d in todo:
+        t0 = time.monotonic()
+        if shards:
+            key = publish.set_key("incremental", date=d)
+            staging = publish.staging_root(shards, key)
+            rc = cli.main(preshard_argv(output, staging, publish.window_of(d)[1], nodes, ranks_per_node,
+                                        window_days))
+            if rc:
+                raise UserwiseError(f"preshard of {key} into {staging} failed (exit {rc}); fix it and rerun the "
+                                    "backfill: it resumes from this day")
+        rec = publish.publish(output, kind="incremental", date=d, shards=shards, window_days=window_days)
+        log(json.dumps({"date": d.isoformat(), "status": "built", "seconds": round(time.monotonic() - t0, 1),
+                        "tables": rec["tables"], "shards": (rec["shards"] or {}).get("root")}))
         out["built"].append(d.isoformat())
     return out
 

@@ -226,24 +226,31 @@ class History:
             delta_io.merge_by_key(self.spark, self.path, updates, "user")
         return self._record([date])
 
+    def _check_gap(self, log: dict, date: dt.date) -> None:
+        if log and max(log) < date - dt.timedelta(days=1):
+            prev = date - dt.timedelta(days=1)
+            raise UserwiseError(
+                f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
+                f"run `userwise history --date {prev}` first")
+
+    def update_range(self, first: dt.date, last: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> dict:
+        """What the daily updates of [first, last] in order leave, in one job: the history
+        derived as of the end of ``last`` (or of the newest logged date, when later)."""
+        log = self.log()
+        self._check_gap(log, first)
+        dates = [first + dt.timedelta(days=k) for k in range((last - first).days + 1)]
+        later = sorted(d for d in log if d > last)
+        v = self.derive(max(dates + later), retention_days, dates=dates + later)
+        return {"history_versions": {d.isoformat(): v for d in dates + later},
+                "replayed": [d.isoformat() for d in later]}
+
     def update(self, date: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> dict:
         """Bring the history to the end of ``date``: the next date is one MERGE; the first date
         (no log yet) and a date at or before the newest logged one (a rerun) derive the history
         from the events in one job, a rerun as of the newest date, so the later dates stay
         applied (idempotent)."""
         log = self.log()
-        if log and max(log) >= date:
-            last = max(log)
-            later = sorted(d for d in log if d > date)
-            v = self.derive(last, retention_days, dates=[date, *later])
-            return {"history_versions": {d.isoformat(): v for d in [date, *later]},
-                    "replayed": [d.isoformat() for d in later]}
-        if log and max(log) < date - dt.timedelta(days=1):
-            prev = date - dt.timedelta(days=1)
-            raise UserwiseError(
-                f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
-                f"run `userwise history --date {prev}` first")
-        if not log:
-            # the first date: the history as of its end, derived from every event before it
-            return {"history_versions": {date.isoformat(): self.derive(date, retention_days)}, "replayed": []}
+        if not log or max(log) >= date:
+            return self.update_range(date, date, retention_days)
+        self._check_gap(log, date)
         return {"history_versions": {date.isoformat(): self._merge_one(date, retention_days)}, "replayed": []}

@@ -152,20 +152,19 @@ def test_backfill_equals_daily_runs_skips_published_and_force_is_identical(fast_
 @pytest.mark.spark
 @pytest.mark.slow
 def test_killed_backfill_resumes_and_matches_an_uninterrupted_run(data, daily_runs, tmp_path):
-    """SIGKILL the backfill once day 2's history MERGE is committed (before its window, shards and
-    record), rerun it: it restores the history, redoes day 2, and the tables and shards equal the
-    uninterrupted daily runs'."""
+    """SIGKILL the backfill once day 1 is published (its tables are built in one go, then the
+    days are sharded and published in order), rerun it: it skips day 1, rebuilds day 2, and the
+    tables and shards equal the uninterrupted daily runs'."""
     env = _cli_env()
     out, shards = tmp_path / "out", tmp_path / "out_s"
     p = subprocess.Popen(_cli_backfill(data, out, shards, DAYS[0], DAYS[1]), env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 900
-        # history_log gets one commit per day: version 1 = day 2's MERGE is in the history
-        while (publish.delta_version(out / "history_log") or 0) < 1:
-            assert p.poll() is None, f"backfill ended (exit {p.returncode}) before day 2's history"
-            assert time.monotonic() < deadline, "day 2's history never came"
-            time.sleep(0.2)
+        while not publish.is_published(out, "incremental", DAYS[0], str(shards)):
+            assert p.poll() is None, f"backfill ended (exit {p.returncode}) before day 1 was published"
+            assert time.monotonic() < deadline, "day 1 was never published"
+            time.sleep(0.05)
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
