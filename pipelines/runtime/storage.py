@@ -34,6 +34,19 @@ import pyarrow.fs as pafs
 WEBHDFS_ENV = "USERWISE_WEBHDFS"
 
 
+def settings() -> dict[str, str]:
+    """This process's store settings, to ship to Spark's executors with a job's config
+    (an executor's Python worker need not share the driver's environment)."""
+    return {k: os.environ[k] for k in (WEBHDFS_ENV, "HADOOP_USER_NAME") if os.environ.get(k)}
+
+
+def apply(shipped: dict[str, str] | None) -> None:
+    """Take the driver's :func:`settings` where this process has none of its own."""
+    for k, v in (shipped or {}).items():
+        if not os.environ.get(k):
+            os.environ[k] = v
+
+
 class StorageError(OSError):
     """A location that no filesystem here can open."""
 

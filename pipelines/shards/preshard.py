@@ -159,6 +159,7 @@ class _ShardWriter:
     def __init__(self, cfg: dict, shard: int, node: int, rank: int):
         self.cfg, self.shard, self.node, self.rank = cfg, shard, node, rank
         self.rel = shard_name(shard, node)
+        storage.apply(cfg.get("storage"))  # the driver's store settings reach the executors
         fs, base = mf.resolve(cfg["output"])
         self.fs, self.final = fs, mf.join(base, self.rel)
         self.local = isinstance(fs, pafs.LocalFileSystem)
@@ -381,7 +382,7 @@ def _writer_cfg(output, schema, *, compression, layout, row_group_rows, row_grou
     schema = pa.schema([f.remove_metadata() for f in schema], metadata=schema.metadata)
     return {"output": output, "schema": schema, "compression": parse_compression(compression, schema),
             "dictionary": dictionary, "layout": layout, "row_group_rows": int(row_group_rows),
-            "row_group_bytes": int(row_group_mb * (1 << 20))}
+            "row_group_bytes": int(row_group_mb * (1 << 20)), "storage": storage.settings()}
 
 
 def _report(m: dict, seconds: float) -> dict:

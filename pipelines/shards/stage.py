@@ -40,6 +40,8 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
+import pyarrow.fs as pafs
+
 from userwise.pipelines.errors import ShardError
 from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION
@@ -192,6 +194,10 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
         try:
             return src_fs.open_input_file(src_path)
         except FileNotFoundError:
+            # pyarrow's fsspec bridge reads "no answer" as "no file": ask the store again, so that
+            # an outage raises its own error (a store failure) rather than "missing"
+            if src_fs.get_file_info(src_path).type != pafs.FileType.NotFound:
+                raise
             raise ShardError(f"{src_path}: the manifest lists this file but it is missing: the shard set "
                              "is incomplete or was changed after preshard; rerun `userwise preshard`") from None
 
