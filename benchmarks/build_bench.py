@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/build_bench.py                      # 200k, 400k, 800k impressions, L=50
     .venv/bin/python benchmarks/build_bench.py --sizes 50000 --reps 1 --no-plot   # a quick check
     .venv/bin/python benchmarks/build_bench.py --scale 5           # 1M, 2M, 4M (a bigger machine)
+    .venv/bin/python benchmarks/build_bench.py --days-compare      # one 60-day log, M=2/N=1 vs M=30/N=1 vs M=30/N=30
 
 Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
 ``--max-seq-len``), with one shared local SparkSession:
@@ -28,6 +29,14 @@ build code is not changed) so each runs under its own Spark job group and is
 timed; with the UI on (default) the stage metrics of each step come from the
 UI's REST API: jobs, stages, tasks, executor run time, and the slowest stages
 with their call sites. A small warm-up build (not timed) runs first.
+
+Days (``--days-compare``, instead of the sizes): one synthetic log of
+``--days-span`` days (``--days-impressions``, lean with its action log and fat)
+built with M=2/N=1, M=30/N=1 and M=30/N=30, as-of the day after the log: wall
+time and Spark jobs (the build's job group, from the status tracker) side by
+side, as multiples of M=2/N=1; written to ``--days-json``
+(benchmarks/results/build_bench_days.json). Target: M=30/N=1 within 1.3x the
+wall time and 10% of the jobs of M=2/N=1.
 
 Output: a table on stdout, ``--json`` (default benchmarks/results/build_bench.json) and
 ``--plot`` (default benchmarks/results/build_bench.png). Keep sizes small on a shared
@@ -358,6 +367,73 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+DAY_RUNS = ((2, 1), (30, 1), (30, 30))
+
+
+def days_compare(spark, work: str, impressions: int, span: int, L: int, seed: int, kinds: list[str],
+                 runs=DAY_RUNS, bot_factor: float | None = None, prime: bool = True) -> list[dict]:
+    """One synthetic log of ``span`` days built with each (M, N) of ``runs``: wall time and
+    Spark jobs (the job group's ids from the status tracker) side by side, per input kind.
+    As-of is the day after the log, so every run reads the same rows."""
+    import datetime as dt
+
+    from userwise.pipelines import config as C
+    from userwise.pipelines.build.range import build
+    from userwise.pipelines.tools.synth import SynthParams, synth
+
+    log_dir = os.path.join(work, "days-log")
+    params = dataclasses.replace(SynthParams(), bot_factor=bot_factor) if bot_factor else None
+    want = tuple(dict.fromkeys([*kinds, *(["actions"] if "lean" in kinds else [])]))
+    s = synth(log_dir, days=span, impressions=impressions, max_seq_len=L, kinds=want, seed=seed,
+              params=params, log=io.StringIO())
+    as_of = (dt.date.fromisoformat(s["args"]["start"]) + dt.timedelta(days=span)).isoformat()
+    sc = spark.sparkContext
+    rows = []
+    for kind in kinds:
+        cfg = C.load(os.path.join(log_dir, "config.yaml" if kind == "lean" else "config_fat.yaml"))
+        actions = os.path.join(log_dir, "actions") if kind == "lean" else None
+        n_in = sum(s["rows"][kind].values())
+        if prime:
+            # The first build over a folder pays for what Spark caches about it (about 70 more
+            # Spark jobs here on a 60-day log, a few seconds); not measured, so the runs
+            # compare what M and N cost.
+            out = os.path.join(work, f"days-{kind}-prime")
+            build(spark, cfg, os.path.join(log_dir, kind), out, as_of, *runs[0], actions)
+            shutil.rmtree(out, ignore_errors=True)
+        for m, n in runs:
+            group = f"days-{kind}-{m}-{n}"
+            out = os.path.join(work, f"days-{kind}-{m}-{n}")
+            shutil.rmtree(out, ignore_errors=True)
+            sc.setJobGroup(group, group)
+            t = time.perf_counter()
+            try:
+                rep = build(spark, cfg, os.path.join(log_dir, kind), out, as_of, m, n, actions)
+            finally:
+                sc.setLocalProperty("spark.jobGroup.id", None)
+            wall = time.perf_counter() - t
+            if not rep["reconciled"]:
+                raise SystemExit(f"build M={m} N={n} did not reconcile: {rep}")
+            row = {"kind": kind, "M": m, "N": n, "impressions": n_in, "wall_s": round(wall, 2),
+                   "jobs": len(sc.statusTracker().getJobIdsForGroup(group)), "sets": len(rep["sets"]),
+                   "samples": rep["samples"], "bytes_out": rep["bytes_out"]}
+            rows.append(row)
+            print(f"  {kind} M={m:>2} N={n:>2}: {wall:7.1f} s, {row['jobs']:>4} Spark jobs, "
+                  f"{row['sets']} sets, {row['samples']:,} samples", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    for kind in kinds:
+        by = {(r["M"], r["N"]): r for r in rows if r["kind"] == kind}
+        ref = by.get(runs[0])
+        for r in by.values():
+            r["wall_vs_first"] = round(r["wall_s"] / ref["wall_s"], 2)
+            r["jobs_vs_first"] = round(r["jobs"] / ref["jobs"], 2)
+    print(f"\n{'kind':>5} {'M':>3} {'N':>3} {'sets':>5} {'wall s':>8} {'x first':>8} {'jobs':>5} {'x first':>8} "
+          f"{'samples':>9} {'bytes out':>11}")
+    for r in rows:
+        print(f"{r['kind']:>5} {r['M']:>3} {r['N']:>3} {r['sets']:>5} {r['wall_s']:>8.1f} {r['wall_vs_first']:>7.2f}x "
+              f"{r['jobs']:>5} {r['jobs_vs_first']:>7.2f}x {r['samples']:>9,} {r['bytes_out']:>11,}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="200000,400000,800000", help="comma list of target impressions")
@@ -378,6 +454,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=os.path.join(RESULTS, "build_bench.json"))
     p.add_argument("--plot", default=os.path.join(RESULTS, "build_bench.png"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--days-compare", action="store_true",
+                   help="instead of the sizes: one log of --days-span days built with M=2/N=1, M=30/N=1 "
+                        "and M=30/N=30, wall time and Spark jobs side by side")
+    p.add_argument("--days-span", type=int, default=60)
+    p.add_argument("--days-impressions", type=int, default=200000)
+    p.add_argument("--days-kinds", default="lean,fat", help="comma list of lean, fat")
+    p.add_argument("--days-json", default=os.path.join(RESULTS, "build_bench_days.json"))
     args = p.parse_args(argv)
     if args.days < 2:
         raise SystemExit("--days must be at least 2 (pretrain days + one incremental window)")
@@ -398,6 +481,30 @@ def main(argv=None) -> int:
     as_of = (dt.date(2026, 1, 1) + dt.timedelta(days=args.days)).isoformat()
     print(f"build bench: sizes {sizes}, {args.days} days, L={args.max_seq_len}, "
           f"master {spark.sparkContext.master}, workdir {work}", flush=True)
+
+    if args.days_compare:
+        if args.days_span < 31:
+            raise SystemExit("--days-span must be at least 31 (M = 30 days plus pretrain)")
+        kinds = [k for k in args.days_kinds.split(",") if k]
+        if not kinds or set(kinds) - {"lean", "fat"}:
+            raise SystemExit(f"--days-kinds {args.days_kinds}: use a comma list of lean, fat")
+        if not args.no_warmup:
+            t = time.perf_counter()
+            days_compare(spark, os.path.join(work, "warm"), 2000, 31, args.max_seq_len, args.seed, kinds,
+                         runs=((2, 1),), bot_factor=5.0, prime=False)
+            print(f"warm-up (not counted): {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"days: {args.days_impressions:,} impressions over {args.days_span} days", flush=True)
+        rows = days_compare(spark, work, args.days_impressions, args.days_span, args.max_seq_len, args.seed, kinds,
+                            bot_factor=args.bot_factor)
+        res = {"args": vars(args), "days": rows, "master": spark.sparkContext.master, "cpus": os.cpu_count(),
+               "load_avg": os.getloadavg()}
+        os.makedirs(os.path.dirname(os.path.abspath(args.days_json)), exist_ok=True)
+        with open(args.days_json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"\nwrote {args.days_json}")
+        if not args.keep and not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
 
     if not args.no_warmup:
         # JVM, Delta and codegen warm-up on a tiny log (bot at 5x the median instead of 300x): not timed.
