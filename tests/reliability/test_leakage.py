@@ -1,0 +1,177 @@
+"""Leakage, as a property: over random small logs, no impression sees the future or its own request.
+
+Each example draws a tiny lean log (a few users and requests, items 1..4) whose times come
+from a handful of values so that ties happen everywhere: request times at 00:00:00.000,
+00:00:00.001, 12:00 and 23:59:59.999 of four days, actions 0 ms, 1 ms, half a day, a day
+less 1 ms, a day or a day and 1 ms after their request (late actions land on later days,
+across window boundaries and after as-of, on the time of other requests). A user has one
+request, another has more impressions than ``max_sample_cost`` (chunks), rows are duplicated,
+input rows are shuffled, and some logs come with an action log whose events tie with the
+impressions' actions. The log is built (M = 1 or 2 days of one-day windows after a pretrain
+set) and expanded in-process on the shared Spark session, and then:
+
+(a) every expanded impression's history holds only events strictly before its request
+    time, and none of its own request: each request's impressions carry a token of their
+    own in the item feature ``author``, which the history's ``seq_author`` shows;
+(b) the expanded rows equal the independent oracle's (tests/support/oracle.py);
+(c) the counts reconcile against the ground truth (the report's ``reconciled`` and each term).
+
+The test command runs a few derandomized examples (a few seconds of Spark each);
+``USERWISE_HYPOTHESIS_EXAMPLES=200`` runs more (CONTRIBUTING.md, "Tests").
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.build.test_roundtrip import assert_same_rows, build_argv, oracle_for, run_cli
+from tests.support import edgegen as E
+from tests.support import oracle as O
+from tests.support.common import config
+from userwise.schemas import reasons as R
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+EXAMPLES = int(os.environ.get("USERWISE_HYPOTHESIS_EXAMPLES", "6"))
+
+AS_OF = dt.date(2026, 3, 6)
+DAYS = [AS_OF - dt.timedelta(days=k) for k in (3, 2, 1, 0)]  # the last one: at/after as-of
+DAY = E.DAY
+TIMES_OF_DAY = [0, 1, DAY // 2, DAY - 1]
+DWELLS = [0, 1, DAY // 2, DAY - 1, DAY, DAY + 1]
+ACTION_LOG_TOKEN = 0  # `auth` of action-log events; requests' tokens start at 1
+
+
+def _ms(d: dt.date, t: int) -> int:
+    return E.ms(d) + t
+
+
+@st.composite
+def lean_logs(draw):
+    """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy)."""
+    L = draw(st.integers(2, 3), label="max_seq_len")
+    cap = draw(st.integers(L + 1, L + 4), label="max_sample_cost")
+    M = draw(st.sampled_from([1, 2]), label="pretrain_days")
+    n_users = draw(st.integers(2, 4), label="users")
+    rows: list[dict] = []
+    acts: list[dict] = []
+    token = 0
+    for u in range(1, n_users + 1):
+        age, country = draw(st.integers(1, 3)), draw(st.sampled_from(["DE", "US"]))
+        # user 1: a single request; user 2: more impressions than any cap (4 requests of 2-3)
+        # (on one day before as-of, so that one set holds them all)
+        n_req = 1 if u == 1 else 4 if u == 2 else draw(st.integers(1, 4))
+        heavy_day = draw(st.sampled_from(DAYS[:-1]))
+        for _ in range(n_req):
+            token += 1
+            rts = _ms(heavy_day if u == 2 else draw(st.sampled_from(DAYS)), draw(st.sampled_from(TIMES_OF_DAY)))
+            device = draw(st.sampled_from(["ios", "web"]))
+            n_imp = draw(st.integers(2, 3)) if u == 2 else draw(st.integers(1, 3))
+            for pos in range(n_imp):
+                item = draw(st.integers(1, 4))
+                rows.append({
+                    "user_id": u, "request_id": f"r{token}", "request_ts": rts,
+                    "action_ts": rts + draw(st.sampled_from(DWELLS)),
+                    "item_id": item, "position": pos,
+                    "click": int(draw(st.booleans())), "like": int(draw(st.integers(0, 3)) == 0),
+                    "category": item % 3, "author": token, "device": device,
+                    "hour": (rts // 3_600_000) % 24, "age_bucket": age, "country": country, "score": 0.5,
+                    "row_uid": len(rows) + 1,
+                })
+        for _ in range(draw(st.integers(0, 2))):
+            item = draw(st.integers(1, 4))
+            acts.append({"uid": u, "iid": item,
+                         "ts": _ms(draw(st.sampled_from(DAYS)), draw(st.sampled_from(TIMES_OF_DAY + DWELLS))),
+                         "bits": draw(st.integers(1, 3)), "cat": item % 3, "auth": ACTION_LOG_TOKEN})
+    # exact copies of rows before as-of (one copy stays; the others are quarantined as duplicates)
+    before = [r for r in rows if r["request_ts"] < E.ms(AS_OF)]
+    copies = draw(st.lists(st.sampled_from(before), max_size=3), label="duplicated rows")
+    rows = draw(st.permutations(rows + [dict(r) for r in copies]), label="input order")
+    with_actions = bool(acts) and draw(st.booleans(), label="with action log")
+    return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies]
+
+
+def _write(rows: list[dict], fields, path) -> str:
+    """Rows as hive-partitioned Parquet by the UTC day of ``time_col``, with edgegen's types."""
+    schema = pa.schema([pa.field(n, t) for n, t in fields])
+    t = pa.Table.from_pylist(rows, schema=schema)
+    time_col = "request_ts" if "request_ts" in schema.names else "ts"
+    dates = [E.date_of(v).isoformat() for v in t.column(time_col).to_pylist()]
+    t = t.append_column("date", pa.array(dates, pa.string()))
+    part = ds.partitioning(pa.schema([pa.field("date", pa.string())]), flavor="hive")
+    ds.write_dataset(t, str(path), format="parquet", partitioning=part, basename_template="part-{i}.parquet")
+    return str(path)
+
+
+def _edge_log(root, rows, acts, L, cap, copies) -> E.EdgeLog:
+    imp_fields = E.IMP_FIELDS + [("row_uid", pa.int64())]
+    cfg = config(L, max_sample_cost=cap, actions=acts is not None, history_length=L, max_quarantine_share=1.0)
+    as_of_ms = E.ms(AS_OF)
+    return E.EdgeLog(
+        root=root, impressions=_write(rows, imp_fields, root / "impressions"),
+        actions=_write(acts, E.ACT_FIELDS, root / "actions") if acts is not None else None,
+        config=cfg, as_of=AS_OF.isoformat(),
+        rejected={u: R.DUPLICATE_ROW for u in copies}, quarantined=[(u, R.DUPLICATE_ROW) for u in copies],
+        expected_uids={r["row_uid"] for r in rows if r["request_ts"] < as_of_ms},
+        after_as_of_uids={r["row_uid"] for r in rows if r["request_ts"] >= as_of_ms},
+        rows_read=len(rows),
+    )
+
+
+def check_no_leak(got) -> Counter:
+    """(a): from the expanded rows alone. Returns counts of what the histories held."""
+    seen = Counter()
+    for r in got.select("request_ts", "author", "seq_ts", "seq_author", "seq_item").iter_rows(named=True):
+        where = f"impression of request token {r['author']} at {r['request_ts']}"
+        assert len(r["seq_ts"]) == len(r["seq_author"]) == len(r["seq_item"]), where
+        late = [t for t in r["seq_ts"] if t >= r["request_ts"]]
+        assert not late, f"{where} sees events at or after its request time: {late}"
+        assert r["author"] not in r["seq_author"], f"{where} sees an action of its own request"
+        seen["impressions"] += 1
+        seen["with history"] += bool(r["seq_ts"])
+        seen["action-log events"] += sum(a == ACTION_LOG_TOKEN for a in r["seq_author"])
+    return seen
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(drawn=lean_logs())
+def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
+    rows, acts, L, cap, M, copies = drawn
+    root = tmp_path_factory.mktemp("leak")
+    log = _edge_log(root, rows, acts, L, cap, copies)
+    out = root / "out"
+    rc, err = run_cli(build_argv(log, out, M, 1))
+    assert rc == 0, f"build failed: {err}"
+    report = json.loads((root / "out.json").read_text())
+    dest = root / "expanded"
+    rc, err = run_cli(["expand", "--samples", out, "--output", dest])
+    assert rc == 0, f"expand failed: {err}"
+    got = O.read_parquet_dir(dest)
+
+    seen = check_no_leak(got)  # (a)
+    assert seen["impressions"] == len(log.expected_uids)
+    assert_same_rows(got, oracle_for(log), log)  # (b)
+    assert report["reconciled"] is True and O.reconcile(report, log) == []  # (c)
+    assert report["extra_chunks"] > 0, "user 2's impressions exceed max_sample_cost: it must be split"
+
+
+def test_the_leak_check_can_fail():
+    """check_no_leak rejects a history with an event at the request time, and one of its own request."""
+    import polars as pl
+
+    ok = {"request_ts": [10], "author": [3], "seq_ts": [[5, 9]], "seq_author": [[1, 2]], "seq_item": [[1, 1]]}
+    assert check_no_leak(pl.DataFrame(ok))["with history"] == 1
+    with pytest.raises(AssertionError, match="at or after"):
+        check_no_leak(pl.DataFrame(dict(ok, seq_ts=[[5, 10]])))
+    with pytest.raises(AssertionError, match="own request"):
+        check_no_leak(pl.DataFrame(dict(ok, seq_author=[[1, 3]])))
