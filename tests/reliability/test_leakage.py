@@ -30,7 +30,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from tests.build.test_roundtrip import assert_same_rows, build_argv, oracle_for, run_cli
@@ -38,8 +38,6 @@ from tests.support import edgegen as E
 from tests.support import oracle as O
 from tests.support.common import config
 from userwise.schemas import reasons as R
-
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 EXAMPLES = int(os.environ.get("USERWISE_HYPOTHESIS_EXAMPLES", "6"))
 
@@ -100,6 +98,29 @@ def lean_logs(draw):
     return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies]
 
 
+def features(rows: list[dict], acts: list[dict] | None, copies: list[int]) -> set[str]:
+    """The edge cases a drawn log holds (plain Python over the rows, for coverage)."""
+    as_of = E.ms(AS_OF)
+    acted = [r for r in rows if r["click"] or r["like"]]
+    times = [r["request_ts"] for r in rows] + [r["action_ts"] for r in acted] + [a["ts"] for a in acts or []]
+    per_user = Counter(r["user_id"] for r in {r["request_id"]: r for r in rows}.values())
+    out = {
+        "duplicated rows": bool(copies),
+        "action log": acts is not None,
+        "a user with one request": 1 in per_user.values(),
+        "late actions": any(E.date_of(r["action_ts"]) > E.date_of(r["request_ts"]) for r in acted),
+        "actions after as-of": any(r["action_ts"] >= as_of > r["request_ts"] for r in acted),
+        "action at its request time": any(r["action_ts"] == r["request_ts"] for r in acted),
+        "ties in time": len(times) > len(set(times)),
+        "an action at another request's time": bool({r["action_ts"] for r in acted}
+                                                    & {r["request_ts"] for r in rows}),
+        "two actions in one request": any(n > 1 for n in Counter(r["request_id"] for r in acted).values()),
+        "a history": any(a["user_id"] == r["user_id"] and a["action_ts"] < r["request_ts"] < as_of
+                         for a in acted for r in rows),
+    }
+    return {k for k, v in out.items() if v}
+
+
 def _write(rows: list[dict], fields, path) -> str:
     """Rows as hive-partitioned Parquet by the UTC day of ``time_col``, with edgegen's types."""
     schema = pa.schema([pa.field(n, t) for n, t in fields])
@@ -142,11 +163,15 @@ def check_no_leak(got) -> Counter:
     return seen
 
 
+@pytest.mark.spark
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(drawn=lean_logs())
 def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
     rows, acts, L, cap, M, copies = drawn
+    for f in features(rows, acts, copies):
+        event(f)
     root = tmp_path_factory.mktemp("leak")
     log = _edge_log(root, rows, acts, L, cap, copies)
     out = root / "out"
@@ -163,6 +188,24 @@ def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
     assert_same_rows(got, oracle_for(log), log)  # (b)
     assert report["reconciled"] is True and O.reconcile(report, log) == []  # (c)
     assert report["extra_chunks"] > 0, "user 2's impressions exceed max_sample_cost: it must be split"
+
+
+def test_the_drawn_logs_hold_every_edge_case():
+    """As many derandomized draws as the test command builds cover every edge case between them."""
+    seen = Counter()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(drawn=lean_logs())
+    def tally(drawn):
+        rows, acts, _, _, _, copies = drawn
+        seen.update(features(rows, acts, copies))
+
+    tally()
+    want = {"duplicated rows", "action log", "a user with one request", "late actions", "actions after as-of",
+            "action at its request time", "ties in time", "an action at another request's time",
+            "two actions in one request", "a history"}
+    assert want <= set(seen), f"never drawn: {want - set(seen)}"
 
 
 def test_the_leak_check_can_fail():
