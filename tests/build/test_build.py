@@ -349,3 +349,38 @@ def test_daily_window_and_history_jobs_equal_the_month_build(spark, month, tmp_p
     out = daily.history_day(spark, cfg, dst, T - dt.timedelta(days=4))
     assert out["replayed"] == [(T - dt.timedelta(days=k)).isoformat() for k in (3, 2, 1)]
     _same(_table(spark, src, "history", ["user"]), _table(spark, dst, "history", ["user"]))
+
+
+def test_backfill_of_the_month_in_one_go_equals_the_range_build(spark, month, tmp_path):
+    """`userwise backfill` over all 34 days writes its tables in one go: every daily window
+    the range build (M=30, N=1) has, the same rows; the same requests and history; and the
+    Spark jobs of a 3-day backfill."""
+    from userwise.pipelines.build import backfill
+
+    T = MONTH_AS_OF
+    sc = spark.sparkContext
+    jobs, outs = {}, {}
+    for first in (T - dt.timedelta(days=34), T - dt.timedelta(days=3)):
+        group = f"backfill-{first}"
+        out = str(tmp_path / f"bf-{first}")
+        sc.setJobGroup(group, group)
+        try:
+            res = backfill.backfill(spark, month["cfg"], date_from=first, date_to=T - dt.timedelta(days=1),
+                                    input_path=month["imp"], output=out, actions_path=month["act"],
+                                    log=lambda _: None)
+        finally:
+            sc.setJobGroup("", "")
+        assert len(res["built"]) == (T - first).days and res["skipped"] == []
+        jobs[(T - first).days] = len(sc.statusTracker().getJobIdsForGroup(group))
+        outs[(T - first).days] = out
+    print("backfill spark jobs by days:", jobs)
+    assert jobs[34] <= jobs[3] * 1.1, jobs
+    src, bf = month["outs"][(30, 1)], outs[34]
+    _same(_table(spark, src, "requests", ["date", "req_id"]), _table(spark, bf, "requests", ["date", "req_id"]))
+    _same(_table(spark, src, "history", ["user"]), _table(spark, bf, "history", ["user"]))
+    ends = [(T - dt.timedelta(days=k)).isoformat() for k in range(30)]
+    where = f"kind = 'incremental' AND window_end IN ({', '.join(repr(e) for e in ends)})"
+    a, b = (delta_io.read(spark, delta_io.table_path(o, "samples")).where(where).toPandas()
+            .sort_values("sample_id").reset_index(drop=True) for o in (src, bf))
+    assert len(a) > 0 and sorted(set(a.window_end.astype(str))) == sorted(ends)
+    _same(a, b)
