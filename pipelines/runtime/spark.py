@@ -24,6 +24,10 @@ _LOCAL_DEFAULTS = {
     "spark.sql.adaptive.enabled": "true",
     "spark.sql.adaptive.skewJoin.enabled": "true",
     "spark.ui.showConsoleProgress": "false",
+    # One executor in the driver: no task has a better place to wait for. Reading HDFS, tasks
+    # prefer the data node's host name, never the driver's; local mode offers cores again only
+    # when a task ends, so a task set left waiting for locality once waits forever.
+    "spark.locality.wait": "0s",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.databricks.delta.schema.autoMerge.enabled": "false",
     # The parallel (throughput) collector instead of G1: a local build is a batch job on

@@ -111,6 +111,15 @@ def class_path() -> str:
     return ":".join(ensure_jars())
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when the process that started it dies
+    (a killed test run leaves no cluster behind)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,7 +157,7 @@ class HdfsStore:
             cmd.append("-format")
         log = open(self.base / "store.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.base,
-                                     start_new_session=True)
+                                     preexec_fn=_die_with_parent)
         log.close()
         end = time.monotonic() + timeout
         while time.monotonic() < end:
