@@ -91,7 +91,7 @@ def world(spark, tmp_path_factory):
     base = tmp_path_factory.mktemp("forget")
     log, d, s = base / "log", base / "D", base / "S"
     ok(["synth", "--output", log, "--days", "3", "--users", "8", "--items", "100", "--impressions", "600",
-        "--kinds", "lean", "--bad-rows", "0.05", "--max-seq-len", "5", "--start", "2026-01-01"])
+        "--kinds", "lean", "--bad-rows", "0.005", "--max-seq-len", "5", "--start", "2026-01-01"])
     ok(["build", "--config", log / "config.yaml", "--input", log / "lean", "--output", d, "--as-of", "2026-01-04",
         "--pretrain-days", "2", "--window-days", "1"])
     ok(["preshard", "--samples", d, "--output", s / "all", "--nodes", "1", "--ranks-per-node", "2"])
