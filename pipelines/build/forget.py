@@ -53,7 +53,7 @@ import pyarrow.parquet as pq
 from userwise import schemas as S
 from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import InputError, UserwiseError
-from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance, preshard
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards.publish import MARKER
@@ -276,12 +276,11 @@ def sync_published(output: str, root: str) -> bool:
 def _check_unfinished(output: str) -> None:
     """Refuse a folder whose last writer died before finishing (forget would record its partial
     tables as complete); a killed forget is what this run finishes."""
-    p = completion.running_path(output)
-    if not os.path.exists(p):
+    data = storage.read_bytes(completion.running_path(output))
+    if data is None:
         return
     try:
-        with open(p) as f:
-            running = json.load(f)
+        running = json.loads(data)
     except ValueError:
         return
     if running.get("job") != "forget" and running.get("pid") != os.getpid():
