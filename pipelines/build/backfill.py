@@ -81,16 +81,18 @@ def run_day(spark, cfg, *, input_path: str, output: str, date: dt.date, actions_
 def build_days(spark, cfg, *, input_path: str, output: str, first: dt.date, last: dt.date,
                actions_path: str | None = None, window_days: int = 1, log=print) -> dict:
     """The tables of days [first, last] in one go: requests, history, every day's window."""
-    from userwise.pipelines.build import build_record, daily
+    from userwise.pipelines.build import build_record, completion, daily
     from userwise.pipelines.build.history import History
 
     t0 = time.monotonic()
-    ing = daily.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
-    _, layout, meta = build_record.load(output)
-    hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
-    wins = [("incremental", d + dt.timedelta(days=1 - window_days), d + dt.timedelta(days=1))
-            for d in days(first, last)]
-    sets = daily.set_samples(spark, cfg, layout, output, wins)
+    with completion.job(output, "backfill", input=input_path, from_=first.isoformat(), to=last.isoformat(),
+                        window_days=window_days, actions=actions_path):
+        ing = daily.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
+        _, layout, meta = build_record.load(output)
+        hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
+        wins = [("incremental", d + dt.timedelta(days=1 - window_days), d + dt.timedelta(days=1))
+                for d in days(first, last)]
+        sets = daily.set_samples(spark, cfg, layout, output, wins)
     log(json.dumps({"from": first.isoformat(), "to": last.isoformat(), "status": "tables built",
                     "seconds": round(time.monotonic() - t0, 1), "requests": ing.counts,
                     "history": hist, "samples": sum(s["samples"] for s in sets)}, default=str))
@@ -136,6 +138,7 @@ def cli(args) -> int:
     import os
 
     from userwise.pipelines import config
+    from userwise.pipelines.build import validate
     from userwise.pipelines.runtime.spark import get_spark
 
     if not os.environ.get("PYSPARK_GATEWAY_PORT"):
@@ -144,6 +147,7 @@ def cli(args) -> int:
 
     days(args.date_from, args.date_to)  # fail on a bad range before starting Spark
     cfg = config.load(args.config)
+    validate.front_door(cfg, args.input, args.actions)
     spark = get_spark(args.master, app="userwise-backfill")
     res = backfill(spark, cfg, date_from=args.date_from, date_to=args.date_to, input_path=args.input,
                    output=args.output, actions_path=args.actions, shards=args.shards,

@@ -21,6 +21,7 @@ replaceWhere or MERGE keyed by its dates) and then writes the record.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -93,7 +94,7 @@ def _now() -> str:
 
 
 def describe(job: str, detail: dict | None) -> str:
-    args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (detail or {}).items() if v is not None)
+    args = " ".join(f"--{k.rstrip('_').replace('_', '-')} {v}" for k, v in (detail or {}).items() if v is not None)
     return f"`userwise {job}{' ' + args if args else ''}`"
 
 
@@ -111,6 +112,16 @@ def finish(output: str, job: str, **detail) -> dict:
     if running is not None and running.get("pid") == os.getpid():
         storage.remove(running_path(output))
     return rec
+
+
+@contextlib.contextmanager
+def job(output: str, name: str, **detail):
+    """Run the body as job ``name`` on ``output``: marked running first, recorded complete
+    only when the body returns (an exception or a kill leaves the running mark, which
+    readers report)."""
+    begin(output, name, **detail)
+    yield
+    finish(output, name, **detail)
 
 
 def complete_state(output: str) -> dict:

@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.build import build_record, ingest
+from userwise.pipelines.build import build_record, completion, ingest
 from userwise.pipelines.build.history import History, SetPlan, set_streams
 from userwise.pipelines.build.inputs import read_spark
 from userwise.pipelines.build.pointer import SET, lean_sets
@@ -143,7 +143,8 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
         raise QuarantineLimitError(
             f"{rejected} of {considered} input rows ({share:.2%}) were quarantined, above "
             f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
-            f"(by reason: {quarantined}) and fix the input or raise the limit")
+            f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
+            "the limit")
     delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, partition_by=("date",),
                      schema=S.requests_schema(layout))
     delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
@@ -264,7 +265,8 @@ def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.d
 # ---------------------------------------------------------------------------
 def requests_day(spark, cfg: C.Config, input_path: str, output: str, date, actions_path: str | None = None) -> dict:
     d = as_date(date)
-    ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
+    with completion.job(output, "requests", input=input_path, date=d.isoformat(), actions=actions_path):
+        ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
     log(f"requests {d}: {ing.counts}")
     return {"date": d.isoformat(), **ing.counts}
 
@@ -273,7 +275,8 @@ def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | N
     d = as_date(date)
     _, layout, meta = build_record.load(output)
     days = retention_days or meta.get("retention_days") or 37
-    out = History(spark, cfg, layout, output).update(d, retention_days=days)
+    with completion.job(output, "history", date=d.isoformat()):
+        out = History(spark, cfg, layout, output).update(d, retention_days=days)
     log(f"history {d}: {out}")
     return {"date": d.isoformat(), **out}
 
@@ -283,12 +286,14 @@ def window_day(spark, cfg: C.Config, output: str, date, window_days: int = 1) ->
     d = as_date(date)
     _, layout, _ = build_record.load(output)
     we = d + dt.timedelta(days=1)
-    return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
+    with completion.job(output, "window", date=d.isoformat(), window_days=window_days):
+        return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
 
 
 def pretrain(spark, cfg: C.Config, output: str, as_of, pretrain_days: int) -> dict:
     _, layout, _ = build_record.load(output)
-    return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
+    with completion.job(output, "pretrain", date=as_date(as_of).isoformat(), pretrain_days=pretrain_days):
+        return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +312,10 @@ def _print(obj) -> None:
 
 
 def requests_cli(args) -> int:
+    from userwise.pipelines.build import validate
+
     cfg = C.load(args.config)
+    validate.front_door(cfg, args.input, args.actions)
     _print(requests_day(_spark(args), cfg, args.input, args.output, args.date, args.actions))
     return 0
 

@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines.build import build_record
+from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.schemas import IMP, OVR, REQ, SEQ
@@ -163,7 +163,9 @@ def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
     path = samples if delta_io.has_log(samples) else delta_io.table_path(samples, "samples")
     if not delta_io.exists(spark, path):
         raise UserwiseError(f"no samples table at {path}; pass the folder written by `userwise build`")
-    df = delta_io.read(spark, path)
+    # the folder's complete state: a build or daily job still running, or killed, is not read
+    build_dir = path.rstrip("/").rsplit("/", 1)[0]
+    df = delta_io.read(spark, path, completion.version_of(build_dir, "samples"))
     if kind:
         df = df.where(F.col("kind") == kind)
     return df

@@ -16,7 +16,7 @@ import datetime as dt
 import json
 
 from userwise.pipelines import config as C
-from userwise.pipelines.build import build_record
+from userwise.pipelines.build import build_record, completion, validate
 from userwise.pipelines.build.daily import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.build.history import History
 from userwise.pipelines.errors import UserwiseError
@@ -64,17 +64,19 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     output = storage.absolute(output)
     log(f"build: input {input_path} -> {output}, as-of {T}, pretrain before {boundary}, "
         f"{len(wins)} incremental windows of {window_days} day(s)")
-    ing = ingest_range(spark, cfg, input_path, output, None, T, actions_path, as_of=T)
-    layout = ing.layout
-    retention = max(pretrain_days, window_days) + 7
-    build_record.save(output, cfg, layout, retention_days=retention, as_of=T.isoformat(),
-                   pretrain_days=pretrain_days, window_days=window_days)
-    plan = [("pretrain", None, boundary)] + [("incremental", ws, we) for ws, we in wins]
-    sets = set_samples(spark, cfg, layout, output, plan)
-    for out, (_, ws, _) in zip(sets, plan):
-        log_set(out, ws)
-    # the history as of the end of the day before as-of (what the daily jobs would have left)
-    History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention, since=dt.date(1970, 1, 1))
+    with completion.job(output, "build", input=input_path, as_of=T.isoformat(), pretrain_days=pretrain_days,
+                        window_days=window_days, actions=actions_path):
+        ing = ingest_range(spark, cfg, input_path, output, None, T, actions_path, as_of=T)
+        layout = ing.layout
+        retention = max(pretrain_days, window_days) + 7
+        build_record.save(output, cfg, layout, retention_days=retention, as_of=T.isoformat(),
+                          pretrain_days=pretrain_days, window_days=window_days)
+        plan = [("pretrain", None, boundary)] + [("incremental", ws, we) for ws, we in wins]
+        sets = set_samples(spark, cfg, layout, output, plan)
+        for out, (_, ws, _) in zip(sets, plan):
+            log_set(out, ws)
+        # the history as of the end of the day before as-of (what the daily jobs would have left)
+        History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention, since=dt.date(1970, 1, 1))
     return report(spark, cfg, layout, input_path, output, ing.counts, sets)
 
 
@@ -97,7 +99,7 @@ def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict
 
         rep.update(snapshot_counts(spark, output, [(s["kind"], s["window_end"]) for s in sets]))
     rep["bytes_in"] = du(input_path)
-    rep["bytes_out"] = du(samples_path)
+    rep["bytes_out"] = delta_io.table_bytes(samples_path)  # the current version only, not replaced files
     rep["storage_ratio"] = round(rep["bytes_in"] / rep["bytes_out"], 3) if rep["bytes_out"] else None
     return rep
 
@@ -124,6 +126,7 @@ def cli(args) -> int:
     from userwise.pipelines.runtime.spark import get_spark
 
     cfg = C.load(args.config)
+    validate.front_door(cfg, args.input, args.actions)  # the same refusals as `userwise validate`, before Spark
     spark = get_spark(master=args.master)
     rep = build(spark, cfg, args.input, args.output, args.as_of, args.pretrain_days, args.window_days,
                 args.actions)

@@ -116,17 +116,33 @@ def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
     return out
 
 
-def cli(args) -> int:
-    cfg = C.load(args.config)
-    if cfg.fat and args.actions:  # the build's own check (range.build)
+def check(cfg: C.Config, input_path: str, actions_path: str | None = None):
+    """What ``validate`` and the build's commands check before any Spark: the config against
+    the input's schema (names, roles, types) and the action log's; returns (schema, layout).
+    Raises the one-line error a build would."""
+    if cfg.fat and actions_path:  # the build's own check (range.build)
         raise UserwiseError("--actions is for lean input; fat rows carry their own sequence")
-    dset = arrow_dataset(args.input)
-    schema = input_schema(args.input)
+    schema = input_schema(input_path)
     layout = cfg.layout(schema)
-    if args.actions:
-        a_schema = input_schema(args.actions)
+    if actions_path:
+        a_schema = input_schema(actions_path)
         C.check_types(a_schema)
         C.check_actions_columns(cfg, a_schema)
+    return schema, layout
+
+
+def front_door(cfg: C.Config, input_path: str, actions_path: str | None = None) -> None:
+    """The build's commands run :func:`check` first, without a JVM, where pyarrow reads the
+    input (local paths); inputs on file systems only Spark reads are checked by the build."""
+    paths = [p for p in (input_path, actions_path) if p]
+    if all("://" not in p or p.startswith("file:") for p in paths):
+        check(cfg, input_path, actions_path)
+
+
+def cli(args) -> int:
+    cfg = C.load(args.config)
+    schema, layout = check(cfg, args.input, args.actions)
+    dset = arrow_dataset(args.input)
     sample = dset.head(args.sample_rows)
     sample = sample.cast(pa.schema([pa.field(f.name, t.type, f.nullable)
                                     for f, t in zip(sample.schema, schema)])) if sample.schema != schema else sample

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from userwise.pipelines.build import build_record
+from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import InputError, UserwiseError
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance
@@ -587,7 +587,8 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     t0 = time.time()
     build_dir, path = samples_table(samples)
     _, build_layout, record = build_record.load(build_dir)
-    version = delta_io.version(spark, path)
+    # the folder's complete state: a build or daily job still running, or killed, is not read
+    version = completion.version_of(build_dir, "samples")
     df = delta_io.read(spark, path, version)
     if kind:
         df = df.where(F.col("kind") == kind)

@@ -41,20 +41,19 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import shutil
 import sys
 
 import pyarrow.fs as pafs
 
+from userwise.pipelines.build import completion
+from userwise.pipelines.build.completion import write_json
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.runtime import storage
 from userwise.pipelines.shards import manifest as mf
 
 FORMAT_VERSION = 1
 MARKER = "_PUBLISHED.json"
-TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
-_LOG_ENTRY = re.compile(r"^(\d{20})\.json$")
 
 
 def _d(x) -> dt.date:
@@ -86,31 +85,6 @@ def set_root(shards: str, key: str) -> str:
 
 def record_path(output: str, kind: str, key_date) -> str:
     return storage.join(storage.absolute(output), "_userwise", "published", kind, f"{_d(key_date).isoformat()}.json")
-
-
-def delta_version(path: str) -> int | None:
-    """Newest committed version of a Delta table, from its log (no Spark, no JVM); None if absent.
-
-    Every commit ``N`` leaves ``_delta_log/<N, 20 digits>.json`` (log cleanup only
-    removes entries older than the newest checkpoint), so the largest name is
-    the table's version.
-    """
-    found = [int(m.group(1)) for n in storage.listdir(storage.join(path, "_delta_log"))
-             if (m := _LOG_ENTRY.match(n))]
-    return max(found) if found else None
-
-
-def table_versions(output: str) -> dict[str, int]:
-    out = {}
-    for t in TABLES:
-        v = delta_version(storage.join(storage.absolute(output), t))
-        if v is not None:
-            out[t] = v
-    return out
-
-
-def _write_json(path: str, obj: dict) -> None:
-    storage.write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def read_record(output: str, kind: str, key_date) -> dict | None:
@@ -200,7 +174,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     if kind == "pretrain" and as_of is None:
         raise UserwiseError("publish --kind pretrain needs --as-of")
     key = set_key(kind, date=date, as_of=as_of)
-    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": table_versions(output), "shards": None}
+    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": completion.complete_state(output)["tables"], "shards": None}
     if kind == "incremental":
         ws, we = window_of(date, window_days)
         rec.update(date=_d(date).isoformat(), window_start=ws.isoformat(), window_end=we.isoformat(),
@@ -220,8 +194,8 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     rec["published_at"] = (now or dt.datetime.now(dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
     key_date = date if kind == "incremental" else as_of
     if shards:
-        _write_json(storage.join(set_root(shards, key), MARKER), rec)
-    _write_json(record_path(output, kind, key_date), rec)  # last: the day counts as published from here
+        write_json(storage.join(set_root(shards, key), MARKER), rec)
+    write_json(record_path(output, kind, key_date), rec)  # last: the day counts as published from here
     return rec
 
 

@@ -22,7 +22,7 @@ from tests.support.uwchain import (
     synth,
     table_digest,
 )
-from userwise.pipelines.build import backfill
+from userwise.pipelines.build import backfill, completion
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.shards import publish
 
@@ -51,9 +51,9 @@ def test_window_and_set_layout():
 
 def test_delta_version_from_the_log(tmp_path):
     _fake_table(tmp_path, "requests", [0, 1, 2, 7])
-    assert publish.delta_version(tmp_path / "requests") == 7
-    assert publish.delta_version(tmp_path / "missing") is None
-    assert publish.table_versions(tmp_path) == {"requests": 7}
+    assert completion.delta_version(tmp_path / "requests") == 7
+    assert completion.delta_version(tmp_path / "missing") is None
+    assert completion.table_versions(tmp_path) == {"requests": 7}
 
 
 def test_publish_without_shards_marks_the_day_and_unpublish_clears_it(tmp_path):

@@ -160,3 +160,15 @@ def test_build_inputs_that_cannot_be_read(log, tmp_path):
                 "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1")
         one_error(r, str(bad))
     shutil.rmtree(tmp_path / "D", ignore_errors=True)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_refused_build_names_the_config_key_behind_its_main_reason(log, tmp_path):
+    cfg = yaml.safe_load(open(log / "config.yaml"))
+    cfg["min_year"] = 2030  # every row of the 2026 log is now out of range
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    one_error(cli("build", "--config", str(p), "--input", str(log / "lean"), "--output", str(tmp_path / "D"),
+                  "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1"),
+              "max_quarantine_share", "bad_time: check min_year")

@@ -1,0 +1,130 @@
+"""All or nothing: readers see the last complete state of a build folder, never a half-written one.
+
+A build killed half-way leaves commits above the completion record: preshard and expand
+refuse the folder with one line naming the job to rerun; the rerun gives the same tables
+as an uninterrupted build. While a job runs, readers keep reading the previous complete
+state (the versions in ``_userwise/complete.json``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pytest
+
+from userwise.pipelines.build import completion, writer_lock
+from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.shards import manifest as mf
+
+pytestmark = [pytest.mark.slow]
+PY = sys.executable
+TABLES = ("requests", "events", "history", "samples", "quarantine")
+
+
+def run(*args, check=True):
+    r = subprocess.run([PY, "-m", "userwise.pipelines.cli", *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def build_args(log, out):
+    return ["build", "--config", str(log / "config.yaml"), "--input", str(log / "lean"), "--output", str(out),
+            "--as-of", "2026-01-04", "--pretrain-days", "2", "--window-days", "1"]
+
+
+def tables(out) -> dict[str, pa.Table]:
+    got = {}
+    for t in TABLES:
+        tab = delta_io.dataset(os.path.join(out, t)).to_table()
+        got[t] = tab.sort_by([(c, "ascending") for c in tab.column_names
+                              if not pa.types.is_nested(tab.schema.field(c).type)])
+    return got
+
+
+def shard_digest(root) -> list:
+    m = mf.load(str(root))
+    return sorted((s["path"], s["rows"], s["sha256"]) for s in m["shards"])
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory):
+    d = tmp_path_factory.mktemp("log")
+    run("synth", "--output", str(d), "--days", "3", "--users", "40", "--kinds", "lean", "--bad-rows", "0.005")
+    return d
+
+
+@pytest.fixture(scope="module")
+def clean(log, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "D"
+    run(*build_args(log, out))
+    return out
+
+
+def one_error(r, *needles):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("[userwise]")]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrupted_build(log, clean, tmp_path):
+    out = tmp_path / "D"
+    p = subprocess.Popen([PY, "-m", "userwise.pipelines.cli", *build_args(log, out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_commit = out / "requests" / "_delta_log" / f"{0:020d}.json"
+    deadline = time.time() + 300
+    while not first_commit.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert p.poll() is None, "the build ended before it could be killed half-way"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (out / "_userwise" / "complete.json").exists()
+
+    one_error(run("preshard", "--samples", str(out), "--output", str(tmp_path / "S"), "--nodes", "1",
+                  "--ranks-per-node", "1", check=False), "`userwise build", "did not finish", "run it again")
+    one_error(run("expand", "--samples", str(out), "--output", str(tmp_path / "x"), check=False),
+              "`userwise build", "did not finish")
+    assert not (tmp_path / "S" / "manifest.json").exists()
+
+    run(*build_args(log, out))  # takes over the dead build's lock and replaces what it wrote
+    got, want = tables(str(out)), tables(str(clean))
+    for t in TABLES:
+        assert got[t].equals(want[t]), t
+    rec = completion.complete_state(str(out))
+    assert rec["job"] == "build" and set(TABLES) <= set(rec["tables"])
+
+
+def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_path):
+    out = str(clean)
+    args = ["preshard", "--samples", out, "--nodes", "1", "--ranks-per-node", "2", "--seed", "3"]
+    run(*args, "--output", str(tmp_path / "before"))
+    before = shard_digest(tmp_path / "before")
+
+    # A window job runs (it holds the lock and is marked running) and has committed half its work.
+    lock = writer_lock.WriterLock(out, "window").acquire()
+    try:
+        completion.begin(out, "window", date="2026-01-03")
+        from deltalake import DeltaTable
+
+        DeltaTable(os.path.join(out, "samples")).delete("kind = 'pretrain'")
+        assert delta_io.table_bytes(os.path.join(out, "samples")) < delta_io.table_bytes(
+            os.path.join(out, "samples"), version=completion.version_of(out, "samples"))
+        run(*args, "--output", str(tmp_path / "during"))
+        assert shard_digest(tmp_path / "during") == before  # the previous complete state, byte for byte
+    finally:
+        lock.release()
+    # The job is gone without finishing: readers now refuse the folder, naming it.
+    one_error(run(*args, "--output", str(tmp_path / "after"), check=False), "`userwise window --date 2026-01-03`",
+              "did not finish")
+
+
+def test_a_folder_that_no_build_finished_is_refused(tmp_path):
+    (tmp_path / "D").mkdir()
+    one_error(run("preshard", "--samples", str(tmp_path / "D"), "--output", str(tmp_path / "S"), "--nodes", "1",
+                  "--ranks-per-node", "1", check=False))
