@@ -76,7 +76,7 @@ def _rows(spark, out, name, inputs):
     input files' locations (quarantined rows name their file) cut to the input's own folder."""
     cut = re.compile(r"[^\s'\"]*/(" + "|".join(re.escape(os.path.basename(p)) for p in inputs) + r")/")
     df = delta_io.read(spark, delta_io.table_path(out, name))
-    pdf = df.select([f.name for f in df.schema if f.dataType.typeName() != "timestamp"]  # when it ran
+    pdf = df.select([f.name for f in df.schema if not f.dataType.typeName().startswith("timestamp")]  # when it ran
                     if name == "history_log" else df.columns).toPandas()
     return list(pdf.columns), sorted(cut.sub(r"<in>/\1/", str(tuple(str(v) for v in r)))
                                      for r in pdf.itertuples(index=False))
