@@ -162,6 +162,7 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
 def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
     path = samples if delta_io.has_log(samples) else delta_io.table_path(samples, "samples")
     if not delta_io.exists(spark, path):
+        completion.complete_state(path.rstrip("/").rsplit("/", 1)[0])  # names a build that died first
         raise UserwiseError(f"no samples table at {path}; pass the folder written by `userwise build`")
     # the folder's complete state: a build or daily job still running, or killed, is not read
     build_dir = path.rstrip("/").rsplit("/", 1)[0]

@@ -566,6 +566,7 @@ def samples_table(samples: str) -> tuple[str, str]:
         return d, storage.join(d, "samples")
     if delta_io.has_log(d):
         return d.rsplit("/", 1)[0], d
+    completion.complete_state(d)  # a build that died before writing samples is named, not a missing table
     raise InputError(f"--samples {samples}: no Delta table at {d}/samples; pass the output folder of "
                      "`userwise build`")
 

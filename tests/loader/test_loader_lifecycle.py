@@ -128,7 +128,7 @@ def wait_gone(workers, within: float) -> float:
     return time.monotonic() - t0
 
 
-def wait_empty(tmp, within: float = 5.0) -> None:
+def wait_empty(tmp, within: float = 10.0) -> None:
     t0 = time.monotonic()
     while os.listdir(tmp) and time.monotonic() - t0 < within:
         time.sleep(0.05)
@@ -156,7 +156,7 @@ def test_workers_end_with_a_killed_trainer(tmp_path, shards, how):
     p.wait(timeout=30)
     holder = [int(x.split()[1]) for x in lines if x.startswith("HOLDER")]
     try:
-        assert wait_gone(workers, within=5.0) < 5.0
+        assert wait_gone(workers, within=10.0) < 10.0  # a few seconds; slack for a loaded CI machine
     finally:
         for h in holder:
             os.kill(h, signal.SIGKILL)
@@ -174,7 +174,7 @@ def test_a_stopped_loader_leaves_no_folders(tmp_path, shards, mode):
     workers (right away for a stop mid-epoch), no temporary folder remains, in the trainer
     and after it exits."""
     p, tmp = start(tmp_path, shards, mode)
-    out, err = p.communicate(timeout=120)
+    out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     lines = out.splitlines()
     workers = pids(lines)
@@ -182,6 +182,6 @@ def test_a_stopped_loader_leaves_no_folders(tmp_path, shards, mode):
     if mode in ("close", "break", "raise"):  # stopped: nothing left while the trainer still runs
         assert left == []
     assert int(lines[-1].split()[1]) >= 3
-    wait_gone(workers, within=5.0)
-    assert os.listdir(tmp) == []
+    wait_gone(workers, within=10.0)
+    wait_empty(tmp)
     assert "Traceback" not in err

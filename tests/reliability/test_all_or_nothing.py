@@ -20,7 +20,7 @@ from userwise.pipelines.build import completion, writer_lock
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.shards import manifest as mf
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
 PY = sys.executable
 TABLES = ("requests", "events", "history", "samples", "quarantine")
 

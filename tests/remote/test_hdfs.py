@@ -244,6 +244,9 @@ def test_publish_moves_a_set_into_place_on_hdfs(store):
 
     out, shards = f"{store.url}/pub/D", f"{store.url}/pub/S"
     storage.write_bytes(f"{out}/samples/_delta_log/{0:020d}.json", b"{}")  # a samples table at version 0
+    from userwise.pipelines.build import completion
+
+    completion.finish(out, "build")  # what a finished build leaves last: publish records its versions
     key = publish.set_key("incremental", date="2026-01-04")
     for seed in (1, 2):
         preshard.preshard_arrow(build_samples(seed=seed), publish.staging_root(shards, key),
