@@ -94,8 +94,8 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
 
     run(*build_args(log, out))  # takes over the dead build's lock and replaces what it wrote
     got, want = tables(str(out)), tables(str(clean))
-    for t in TABLES:
-        assert got[t].equals(want[t]), t
+    for t in TABLES:  # compared as Python values, where NaN labels and scores equal themselves
+        assert got[t].schema == want[t].schema and repr(got[t].to_pylist()) == repr(want[t].to_pylist()), t
     rec = completion.complete_state(str(out))
     assert rec["job"] == "build" and set(TABLES) <= set(rec["tables"])
 
