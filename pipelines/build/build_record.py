@@ -29,6 +29,8 @@ def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
     p = path(output)
     raw = storage.read_bytes(p)
     old = json.loads(raw) if raw is not None else {}
+    if old.get("input_schema"):
+        _same_input(output, old["input_schema"], layout.input_schema)
     meta = {
         **old,
         "format_version": S.FORMAT_VERSION,
@@ -38,6 +40,24 @@ def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
         **extra,
     }
     storage.write_bytes(p, json.dumps(meta, indent=1, sort_keys=True, default=str).encode())
+
+
+def _same_input(output: str, recorded: str, schema: pa.Schema) -> None:
+    """Refuse an input whose columns differ from those the folder's tables were built from
+    (a log whose schema changed between days): its rows would not fit the tables."""
+    try:
+        was = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(recorded)))
+    except (ValueError, TypeError, pa.ArrowException):
+        return  # a damaged record is load()'s to report
+    was_t = {f.name: f.type for f in was}
+    now_t = {f.name: f.type for f in schema}
+    for name in sorted(set(was_t) | set(now_t)):
+        if was_t.get(name) != now_t.get(name):
+            what = ("is new" if name not in was_t else "is gone" if name not in now_t
+                    else f"was {was_t[name]}, is now {now_t[name]}")
+            raise InputError(f"the input's column {name!r} {what} since {output} was built: its tables hold "
+                             "the old columns; build the changed log into a new folder (or restore the "
+                             "column in the input)")
 
 
 def load(output: str) -> tuple[C.Config, S.Layout, dict]:

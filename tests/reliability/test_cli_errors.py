@@ -172,3 +172,24 @@ def test_a_refused_build_names_the_config_key_behind_its_main_reason(log, tmp_pa
     one_error(cli("build", "--config", str(p), "--input", str(log / "lean"), "--output", str(tmp_path / "D"),
                   "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1"),
               "max_quarantine_share", "bad_time: check min_year")
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_an_input_whose_schema_changed_between_days(log, tmp_path):
+    """Day 1 built; the log's `hour` column turns into a string before day 2: the daily job
+    refuses it with one line naming the column, and day 1's tables stay as they were."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    out, cfg = tmp_path / "D", str(log / "config.yaml")
+    r = cli("requests", "--config", cfg, "--input", str(log / "lean"), "--output", str(out), "--date", "2026-01-01")
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = sorted(os.listdir(out / "requests" / "_delta_log"))
+    t = ds.dataset(str(log / "lean"), partitioning="hive").to_table()
+    t = t.set_column(t.schema.get_field_index("hour"), "hour", pc.cast(t["hour"], "string"))
+    changed = tmp_path / "changed"
+    ds.write_dataset(t, changed, format="parquet", partitioning=["date"], partitioning_flavor="hive")
+    one_error(cli("requests", "--config", cfg, "--input", str(changed), "--output", str(out), "--date", "2026-01-02"),
+              "'hour'", "new folder")
+    assert sorted(os.listdir(out / "requests" / "_delta_log")) == before

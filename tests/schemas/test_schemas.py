@@ -158,3 +158,23 @@ def test_build_record_is_read_in_one_place_with_errors_a_user_can_act_on(tmp_pat
 def test_duplicate_columns_rejected():
     with pytest.raises(S.SchemaError, match="duplicate"):
         S.TableSchema("t", (S.Field("x", pa.int64()), S.Field("x", pa.int64())))
+
+
+def test_an_input_whose_schema_changed_since_the_build_is_refused(tmp_path):
+    """A daily job whose input gained, lost or retyped a column since the folder was built is
+    refused before it writes (one line naming the column), not failed in a Delta write."""
+    import pyarrow as pa
+
+    from userwise.pipelines.build import build_record
+
+    cfg = C.parse(LEAN_CFG)
+    base = S.SYNTH_IMPRESSIONS.to_arrow()
+    build_record.save(str(tmp_path), cfg, cfg.layout(base))
+    build_record.save(str(tmp_path), cfg, cfg.layout(base), as_of="2026-01-03")  # the same input: fine
+    i = base.get_field_index("hour")
+    retyped = base.set(i, pa.field("hour", pa.string()))
+    with pytest.raises(InputError, match=r"column 'hour' was .* is now string.*new folder"):
+        build_record.save(str(tmp_path), cfg, cfg.layout(retyped))
+    with pytest.raises(InputError, match=r"column 'extra' is new"):
+        build_record.save(str(tmp_path), cfg, cfg.layout(base.append(pa.field("extra", pa.int64()))))
+    assert build_record.load(str(tmp_path))[1].input_schema.equals(cfg.layout(base).input_schema)
