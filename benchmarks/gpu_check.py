@@ -99,7 +99,7 @@ def overlap(torch, root: str, batch_size: int, workers: int, cap_s: float = 60) 
 
 def gds_path(torch, root: str, batch_size: int, cap_s: float = 60) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-    from userwise.pipelines.loader.dataset import _kvikio_compat
+    from userwise.pipelines.loader.dataset import kvikio_compat
 
     auto = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds="auto", device="cuda")
     ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds="device", device="cuda")
@@ -118,7 +118,7 @@ def gds_path(torch, root: str, batch_size: int, cap_s: float = 60) -> dict:
     same = all(bytes(x.buffer.cpu().numpy()) == bytes(y.buffer.cpu().numpy())
                for x, y in zip(first, UserwiseLoader(ref, device="cuda")))
     return {"data_path": ds.data_path, "auto_data_path": auto.data_path, "samples_per_s": rate,
-            "kvikio_compat_mode": _kvikio_compat(), "first_batches_equal_parquet": same}
+            "kvikio_compat_mode": kvikio_compat(), "first_batches_equal_parquet": same}
 
 
 def main(argv=None) -> int:

@@ -135,9 +135,7 @@ def rewrite(spark_dir: str, output: str, names: list[str], schema: pa.Schema, fs
 
 def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
     """Write :func:`expand_frame`'s rows to the folder ``output`` (see the module docstring)."""
-    from userwise.pipelines.build.inputs import _fs
-
-    fs, root = _fs(output)
+    fs, root = storage.filesystem(output)
     scratch = f"{root}/_spark"
     fs.create_dir(root, recursive=True)
     fs.delete_dir_contents(root, missing_dir_ok=True)

@@ -69,7 +69,7 @@ def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
     return max(2, k)
 
 
-def _kvikio_compat() -> bool:
+def kvikio_compat() -> bool:
     """True when kvikio would read without GPUDirect Storage (no cuFile driver: POSIX reads)."""
     import kvikio.defaults
 
@@ -234,7 +234,7 @@ class UserwiseDataset(IterableDataset):
                     raise ShardError("gds='device' needs kvikio (pip install userwise[gds])") from None
                 path, why = "parquet", "GDS fallback: kvikio is not importable"
             else:
-                compat = _kvikio_compat()
+                compat = kvikio_compat()
                 if compat and gds == "auto":
                     # kvikio without a GDS driver reads through POSIX and bounce buffers: several
                     # times slower than Parquet + pinned memory (benchmarks/README.md, GPU)
