@@ -26,28 +26,24 @@ def _date(s: str) -> str:
     return s
 
 
-def _pos_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
+def _int_at_least(minimum: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be at least {minimum}")
+        return v
+    return parse
+
+
+_pos_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 INPUT_HELP = ("the impression log: a Delta table, a Parquet file, a folder of Parquet files (hive partitions "
               "or not), a glob, or a comma-separated list of these; local or any URL Spark reads")
-
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
 
 
 def _input_args(p: argparse.ArgumentParser, actions: bool = True) -> None:

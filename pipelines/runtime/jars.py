@@ -73,12 +73,12 @@ def _via_ivy(dest: Path, log) -> bool:
     return True
 
 
-def _via_maven(dest: Path, log) -> bool:
+def maven_copy(pom: Path, dest: Path, log) -> bool:
+    """Copy the runtime dependencies pinned in ``pom`` into ``dest`` with Maven; False (logged) if it cannot."""
     mvn = shutil.which("mvn")
     if not mvn:
         log("mvn is not on PATH")
         return False
-    pom = Path(__file__).with_name("delta-jars.xml")
     cmd = [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
            f"-DoutputDirectory={dest}", "-DincludeScope=runtime"]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -86,6 +86,10 @@ def _via_maven(dest: Path, log) -> bool:
         log("maven failed:\n" + (r.stdout + r.stderr)[-2000:])
         return False
     return True
+
+
+def _via_maven(dest: Path, log) -> bool:
+    return maven_copy(Path(__file__).with_name("delta-jars.xml"), dest, log)
 
 
 def ensure(verbose: bool = True, try_ivy: bool = True) -> list[str]:

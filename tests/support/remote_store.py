@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from userwise.pipelines.runtime import jars
+
 HADOOP_VERSION = "3.5.0"
 PACKAGE = f"org.apache.hadoop:hadoop-client-minicluster:{HADOOP_VERSION}"
 # What the minicluster needs on its class path (the shaded client and its few unshaded deps).
@@ -79,17 +81,7 @@ def _via_ivy(dest: Path, log) -> bool:
 
 
 def _via_maven(dest: Path, log) -> bool:
-    mvn = shutil.which("mvn")
-    if not mvn:
-        log("mvn is not on PATH")
-        return False
-    pom = Path(__file__).with_name("hdfs-jars.xml")
-    r = subprocess.run([mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
-                        f"-DoutputDirectory={dest}", "-DincludeScope=runtime"], capture_output=True, text=True)
-    if r.returncode != 0:
-        log("maven failed:\n" + (r.stdout + r.stderr)[-2000:])
-        return False
-    return True
+    return jars.maven_copy(Path(__file__).with_name("hdfs-jars.xml"), dest, log)
 
 
 def ensure_jars(verbose: bool = True) -> list[str]:
