@@ -59,6 +59,7 @@ def test_delta_version_from_the_log(tmp_path):
 def test_publish_without_shards_marks_the_day_and_unpublish_clears_it(tmp_path):
     _fake_table(tmp_path, "requests", [0, 1])
     _fake_table(tmp_path, "samples", [0, 1, 2])
+    completion.finish(str(tmp_path), "window")  # what the day's last job leaves: publish records its versions
     assert not publish.is_published(tmp_path, "incremental", "2026-01-01")
     rec = publish.publish(str(tmp_path), date="2026-01-01")
     assert rec["tables"] == {"requests": 1, "samples": 2} and rec["window_end"] == "2026-01-02"
@@ -70,9 +71,13 @@ def test_publish_without_shards_marks_the_day_and_unpublish_clears_it(tmp_path):
 
 
 def test_publish_refuses_without_samples_or_staged_set(tmp_path):
+    with pytest.raises(UserwiseError, match="no finished build"):
+        publish.publish(str(tmp_path), date="2026-01-01")
+    completion.finish(str(tmp_path), "requests")
     with pytest.raises(UserwiseError, match="no samples table"):
         publish.publish(str(tmp_path), date="2026-01-01")
     _fake_table(tmp_path, "samples", [0])
+    completion.finish(str(tmp_path), "window")
     with pytest.raises(ShardError, match="no staged shard set"):
         publish.publish(str(tmp_path), date="2026-01-01", shards=str(tmp_path / "s"))
     assert not publish.is_published(tmp_path, "incremental", "2026-01-01")

@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -82,8 +84,9 @@ def shards(tmp_path_factory):
 def start(tmp_path, shards, mode):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # a short private folder: multiprocessing's socket path must fit AF_UNIX's 108 bytes, which
+    # pytest-xdist's deep tmp_path does not leave room for
+    tmp = Path(tempfile.mkdtemp(prefix="uwlc-", dir="/tmp"))
     env = {**os.environ, "TMPDIR": str(tmp)}
     p = subprocess.Popen([sys.executable, str(script), shards, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env, start_new_session=True)
