@@ -330,11 +330,23 @@ def _source_frame(spark, src: Source):
     return df.select("*", F.col("_metadata.file_path").alias("_file"), F.col("_metadata.row_index").alias("_row"))
 
 
+def _union(frames: list, spec: str):
+    """The frames of a list or glob of inputs as one table (by column name), or one error line."""
+    from pyspark.sql.utils import AnalysisException
+
+    df = frames[0]
+    for f in frames[1:]:
+        try:
+            df = df.unionByName(f)
+        except AnalysisException as e:
+            raise InputError(f"the inputs of {spec!r} cannot be read as one table: {str(e).splitlines()[0]}") from None
+    return df
+
+
 def read_spark(spark, spec: str, with_row_ids: bool = True):
     """The input as a Spark DataFrame: its columns in input order under their storage
     names (each with its input type in the column's metadata), plus ``_file`` and ``_row``."""
     from pyspark.sql import functions as F
-    from pyspark.sql.utils import AnalysisException
 
     from userwise.pipelines.config import check_types
 
@@ -353,12 +365,7 @@ def read_spark(spark, spec: str, with_row_ids: bool = True):
         if missing:
             raise InputError(f"input {s.path!r}: Spark does not read columns {missing}")
         frames.append(f.select(*[F.col(_q(c)).alias(storage_name(c)) for c in source.names], "_file", "_row"))
-    df = frames[0]
-    for f in frames[1:]:
-        try:
-            df = df.unionByName(f)
-        except AnalysisException as e:
-            raise InputError(f"the inputs of {spec!r} cannot be read as one table: {str(e).splitlines()[0]}") from None
+    df = _union(frames, spec)
     cols = []
     for f in source:
         b64 = base64.b64encode(pa.schema([f]).serialize().to_pybytes()).decode()
@@ -406,12 +413,7 @@ def _read_hadoop(spark, spec: str, with_row_ids: bool):
             raise InputError(f"input {part!r}: {str(e).splitlines()[0]}") from None
         cols = [c for c in df.columns if c not in ("_file", "_row")]
         frames.append(df.select(*[F.col(_q(c)).alias(storage_name(c)) for c in cols], "_file", "_row"))
-    df = frames[0]
-    for f in frames[1:]:
-        try:
-            df = df.unionByName(f)
-        except AnalysisException as e:
-            raise InputError(f"the inputs of {spec!r} cannot be read as one table: {str(e).splitlines()[0]}") from None
+    df = _union(frames, spec)
     return df if with_row_ids else df.drop("_file", "_row")
 
 
