@@ -13,7 +13,7 @@ pads row by row). That is what a petastorm user does with jagged samples, and th
 the padding brings is part of the baseline. Row groups are shuffled
 (``shuffle_row_groups``) and the reader loops over the files until ``--cap-s`` seconds have
 passed from its first batch (start-up is reported apart, as for the point-wise baseline).
-Prints one JSON object: samples/s, events/s (the stored sequences' ``seq_len``), start-up,
+Prints one JSON object: samples/s, events/s (the stored sequences' ``num_events``), start-up,
 the padded widths.
 """
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                 startup = t - t0
                 continue
             samples += len(batch.sample_id)
-            events += int(batch.seq_len.sum())
+            events += int(batch.num_events.sum())
             if time.perf_counter() - t > a.cap_s:
                 break
     el = time.perf_counter() - t

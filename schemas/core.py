@@ -15,7 +15,7 @@ from typing import Iterable
 
 import pyarrow as pa
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Format version of every table and file this product writes.
 
 Readers refuse a higher version than they understand (see ``check_version``).

@@ -53,7 +53,7 @@ SNAP = "snap_"
 TIME_UNITS = ("s", "ms", "us")
 
 # Names of our own sequence and event fields (after seq_, ev_, ovr_, snap_) and of the
-# samples' seq_len: a user's feature or snapshot role of one of these names is stored as _<name>.
+# samples' num_events: a user's feature or snapshot role of one of these names is stored as _<name>.
 RESERVED = frozenset({"ts", "item", "action", "len", "time", "req", "req_time", "req_id", "pos", "offsets",
                       "user", "date", "kind", "chunk"})
 # Characters a storage name writes as %XX: Spark column paths (., `), Delta's refused

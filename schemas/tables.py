@@ -257,7 +257,7 @@ def samples_schema(layout: Layout) -> TableSchema:
             Field("chunk", i32, False, "0.. for users split by max_sample_cost"),
             Field("num_requests", i32, False),
             Field("num_impressions", i32, False),
-            Field("seq_len", i32, False, "stored events"),
+            Field("num_events", i32, False, "stored events"),
             Field("cost", i64, False, "stored events (overrides included) + impressions"),
             seq,
             Field("req_id", list_of(layout.request_key_type), False),

@@ -82,8 +82,8 @@ def load(output: str) -> tuple[C.Config, S.Layout, dict]:
     except S.SchemaError as e:
         raise InputError(str(e)) from None
     if int(meta["format_version"]) < S.FORMAT_VERSION:  # its tables have other columns than this code writes
-        raise InputError(f"{p}: written by userwise format {meta['format_version']} (the request key and time "
-                         f"stored twice); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
+        raise InputError(f"{p}: written by userwise format {meta['format_version']} (its tables have "
+                         f"other columns); this version writes format {S.FORMAT_VERSION}: rebuild the folder "
                          "with `userwise build`")
     missing = [k for k in ("config", "input_schema", "roles") if k not in meta]
     if missing:

@@ -224,9 +224,9 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
         _value(window_end).cast("date").alias("window_end"),
         F.size("req_time").cast("int").alias("num_requests"),
         n_imps.cast("int").alias("num_impressions"),
-        F.size(SEQ + first).cast("int").alias("seq_len"),
+        F.size(SEQ + first).cast("int").alias("num_events"),
     )
-    out = out.withColumn("cost", (F.col("seq_len") + F.col("num_impressions") + ovr_events).cast("long"))
+    out = out.withColumn("cost", (F.col("num_events") + F.col("num_impressions") + ovr_events).cast("long"))
     out = out.withColumn("sample_id", F.xxhash64(F.col("kind"), F.col("window_end").cast("string"),
                                                  F.col("user").cast("string"), F.col("chunk")))
     return out.select(*[f.name for f in S.samples_schema(layout).fields])

@@ -6,7 +6,7 @@ crosses process boundaries, gets pinned and copied to the device in one
 piece. Arrays (all flat, batch-relative):
 
 per sample (``B`` samples)
-    every scalar column (``sample_id``, ``user``, ``seq_len``, ``cost`` ...),
+    every scalar column (``sample_id``, ``user``, ``num_events``, ``cost`` ...),
     ``seq.offsets`` (B+1): sample i's stored sequence is ``seq_<f>[seq.offsets[i]:seq.offsets[i+1]]``,
     ``seq_<field>``: the sequence values of each field (parallel).
 per request (``R`` requests)

@@ -105,7 +105,7 @@ def _row(rng, *, user: int, chunk: int, kind: str, ws: dt.date, we: dt.date, ev_
     return {
         "format_version": schemas.FORMAT_VERSION, "sample_id": sample_id(kind, we, user, chunk), "kind": kind,
         "window_start": ws, "window_end": we, "user": user, "chunk": chunk,
-        "num_requests": R, "num_impressions": K, "seq_len": L, "cost": L + K,
+        "num_requests": R, "num_impressions": K, "num_events": L, "cost": L + K,
         "seq_ts": ev_ts, "seq_item": rng.integers(0, 5000, L), "seq_category": rng.integers(0, 50, L).astype(np.int32),
         "seq_author": rng.integers(0, 900, L), "seq_action": rng.integers(1, 4, L),
         "req_id": rids, "req_time": rt, "req_seq_begin": begin, "req_seq_end": end, "req_num_imps": k,
@@ -212,7 +212,7 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
             imps = int(np.asarray(part["num_impressions"]).sum())
             entry = {
                 "shard": shard, "path": rel, "node": node, "rank": rank, "rows": part.num_rows,
-                "events": int(np.asarray(part["seq_len"]).sum()), "impressions": imps,
+                "events": int(np.asarray(part["num_events"]).sum()), "impressions": imps,
                 "cost": int(np.asarray(part["cost"]).sum()), "bytes": os.path.getsize(path),
                 "row_groups": pq.ParquetFile(path).metadata.num_row_groups, "sha256": mf.file_sha256(path),
                 "gds_path": None, "gds_bytes": None, "gds_sha256": None,

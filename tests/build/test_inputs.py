@@ -248,7 +248,7 @@ def _oracle(corpus, name) -> pl.DataFrame:
     if isinstance(src, tuple):  # the renamed copy (odd): rename its answer back
         src, ocfg = src
         want = O.expected_pointwise(src, ocfg, as_of, rejected)
-        return want.rename({"f_action": "action", "seq_f_action": "seq__action", "seq_len": "seq__len"})
+        return want.rename({"f_action": "action", "seq_f_action": "seq__action", "num_events": "seq__len"})
     return O.expected_pointwise(src, cfg, as_of, rejected)
 
 
@@ -296,7 +296,7 @@ def test_feature_names_equal_to_ours_do_not_collide(built, spark):
     _, x = built("odd")
     out = Path(x).parent / "out"
     samples = spark.read.format("delta").load(str(out / "samples")).columns
-    for c in ("seq_len", "seq__len", "seq_action", "seq__action", "req__ts", "imp__user", "imp__%5Fuser",
+    for c in ("num_events", "seq__len", "seq_action", "seq__action", "req__ts", "imp__user", "imp__%5Fuser",
               "imp__item%20price", "seq_item%20price", "user"):
         assert c in samples, (c, samples)
     events = spark.read.format("delta").load(str(out / "events")).columns

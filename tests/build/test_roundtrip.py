@@ -269,7 +269,7 @@ def test_samples_invariants(case, builder, spark):
     b = builder(*case)
     log, L, cap = b.log, b.log.config["max_seq_len"], b.log.config["max_sample_cost"]
     s = read_delta(spark, b.out / "samples")
-    seq_cols = [c for c in s.columns if c.startswith("seq_") and c != "seq_len"]
+    seq_cols = [c for c in s.columns if c.startswith("seq_") and c != "num_events"]
     imp_cols = [c for c in s.columns if c.startswith("imp__")]
     req_cols = [c for c in s.columns if c.startswith("req_") and not c.startswith("req__")]
     assert "imp__row_uid" in imp_cols and seq_cols and req_cols
@@ -288,7 +288,7 @@ def test_samples_invariants(case, builder, spark):
 
     uids, req_ids = Counter(), Counter()
     for r in s.iter_rows(named=True):
-        n_req, n_imp, n_seq = r["num_requests"], r["num_impressions"], r["seq_len"]
+        n_req, n_imp, n_seq = r["num_requests"], r["num_impressions"], r["num_events"]
         where = f"sample user={r['user']} kind={r['kind']} window_end={r['window_end']} chunk={r['chunk']}"
         for c in seq_cols:
             assert len(r[c]) == n_seq, (where, c)

@@ -290,7 +290,7 @@ def test_stats_count_samples_events_and_wait_share(shardset):
     s = ld.stats.summary()
     t = all_rows(shardset)
     assert s["samples"] == t.num_rows
-    assert s["events"] == int(np.asarray(t["seq_len"]).sum())
+    assert s["events"] == int(np.asarray(t["num_events"]).sum())
     assert s["impressions"] == int(np.asarray(t["num_impressions"]).sum())
     assert s["samples_per_s"] > 0 and s["bytes_per_s"] > 0 and 0 < s["wait_share"] <= 1
 

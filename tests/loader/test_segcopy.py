@@ -177,17 +177,17 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
 
     rng = np.random.default_rng(3)
     n = 57
-    seq_len = rng.choice([0, 1, 2, 40, 300], n)
+    num_events = rng.choice([0, 1, 2, 40, 300], n)
     req_len = rng.integers(0, 4, n)
     rni = [rng.integers(0, 3, k).astype(np.int32) for k in req_len]
     rows = {
         "sample_id": pa.array(np.arange(n, dtype=np.int64)),
         "kind": pa.array([None if i % 7 == 0 else "x" * (i % 5) for i in range(n)]),
         "weight": pa.array([None if i % 4 == 0 else float(i) for i in range(n)], pa.float32()),
-        "seq_item": pa.array([rng.integers(0, 1 << 40, k).tolist() for k in seq_len], pa.list_(pa.int64())),
-        "seq_cat": pa.array([[None if (j + i) % 9 == 0 else j for j in range(k)] for i, k in enumerate(seq_len)],
+        "seq_item": pa.array([rng.integers(0, 1 << 40, k).tolist() for k in num_events], pa.list_(pa.int64())),
+        "seq_cat": pa.array([[None if (j + i) % 9 == 0 else j for j in range(k)] for i, k in enumerate(num_events)],
                             pa.list_(pa.int32())),
-        "seq_flag": pa.array([rng.integers(0, 2, k).astype(np.int8).tolist() for k in seq_len], pa.list_(pa.int8())),
+        "seq_flag": pa.array([rng.integers(0, 2, k).astype(np.int8).tolist() for k in num_events], pa.list_(pa.int8())),
         "req_id": pa.array([[f"r{i}-{j}" for j in range(k)] for i, k in enumerate(req_len)], pa.list_(pa.string())),
         "req_num_imps": pa.array([x.tolist() for x in rni], pa.list_(pa.int32())),
         "imp__item": pa.array([rng.integers(0, 99, int(x.sum())).tolist() for x in rni], pa.list_(pa.int64())),
