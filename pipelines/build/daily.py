@@ -15,7 +15,7 @@ the same tables.
 from __future__ import annotations
 
 import datetime as dt
-import sys
+import time
 from dataclasses import dataclass, field
 
 from pyspark import StorageLevel
@@ -29,12 +29,12 @@ from userwise.pipelines.build.history import History, SetPlan, set_streams
 from userwise.pipelines.build.inputs import read_spark
 from userwise.pipelines.build.pointer import SET, lean_sets
 from userwise.pipelines.errors import QuarantineLimitError, UserwiseError
-from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.runtime import delta_io, progress
 from userwise.schemas import EV
 
 
 def log(msg: str) -> None:
-    print(f"[userwise] {msg}", file=sys.stderr, flush=True)
+    progress.say(msg)
 
 
 def as_date(s) -> dt.date:
@@ -64,6 +64,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     """Validate input rows of days [start, end) (all days when start is None) and write
     requests, events and quarantine for those days. Rows at or after ``as_of`` are counted
     and left alone."""
+    t0 = time.monotonic()
     raw = read_spark(spark, input_path)
     input_cols = [c for c in raw.columns if c not in ("_file", "_row")]
     canon = ingest.canonical(cfg, raw, input_cols)
@@ -86,7 +87,9 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     df = ingest.cross_row_reasons(cfg, canon, df)
     df = df.withColumn("_reason", F.when(F.col("_later"), F.lit(None)).otherwise(F.col("_reason")))
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
-    tally = df.groupBy("_later", "_reason").count().collect()  # one row per reason: tiny
+    with progress.step("ingest", started=t0) as st:
+        tally = df.groupBy("_later", "_reason").count().collect()  # one row per reason: tiny
+        st.rows = sum(int(r["count"]) for r in tally)
     counts_rows = [r for r in tally if not r["_later"]]
     n_later = sum(int(r["count"]) for r in tally if r["_later"])
     now = df.where(~F.col("_later"))
@@ -125,7 +128,9 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
             a_events = a_events.where((F.col("date") >= F.lit(start)) & (F.col("date") < F.lit(end)))
         a_events = a_events.where(F.col(EV + "ts") < F.lit(limit))
         aq = ingest.quarantine_rows(a_checked, tuple(a_cols), "actions")
-        a_counts = a_checked.groupBy("_reason").count().collect()
+        with progress.step("actions") as st:
+            a_counts = a_checked.groupBy("_reason").count().collect()
+            st.rows = sum(int(r["count"]) for r in a_counts)
         counts["actions_quarantined"] = {r["_reason"]: int(r["count"]) for r in a_counts if r["_reason"]}
         q = q.unionByName(aq)
         events = events.unionByName(a_events)
@@ -134,9 +139,10 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     share = rejected / considered if considered else 0.0
     counts["quarantine_share"] = share
     where = _where_dates("date", start, end)
-    delta_io.replace(q, delta_io.table_path(output, "quarantine"),
-                     where + (" OR date IS NULL" if start is None else ""),
-                     partition_by=("date",), schema=S.QUARANTINE)
+    with progress.step("quarantine", [delta_io.table_path(output, "quarantine")]):
+        delta_io.replace(q, delta_io.table_path(output, "quarantine"),
+                         where + (" OR date IS NULL" if start is None else ""),
+                         partition_by=("date",), schema=S.QUARANTINE)
     if share > cfg.max_quarantine_share:
         reqs.unpersist()
         df.unpersist()
@@ -145,10 +151,12 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
             f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
             f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
             "the limit")
-    delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, partition_by=("date",),
-                     schema=S.requests_schema(layout))
-    delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
-                     schema=S.events_schema(layout))
+    with progress.step("requests", [delta_io.table_path(output, "requests")]):
+        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, partition_by=("date",),
+                         schema=S.requests_schema(layout))
+    with progress.step("events", [delta_io.table_path(output, "events")]):
+        delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
+                         schema=S.events_schema(layout))
     reqs.unpersist()
     df.unpersist()
     return Ingested(layout, counts)
@@ -230,7 +238,10 @@ def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
         # still splits a large set into files of the advisory size. (Spark ignores the hint
         # when AQE is off: then the files are as before, never one task per set.)
         df = df.hint("rebalance", "kind", "window_end")
-    return _write_samples(spark, output, layout, df, [(k, en) for k, _, en in sets])
+    with progress.step("samples") as st:
+        out = _write_samples(spark, output, layout, df, [(k, en) for k, _, en in sets])
+        st.rows = sum(o["samples"] for o in out)
+    return out
 
 
 def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date) -> dict:
@@ -275,7 +286,8 @@ def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | N
     d = as_date(date)
     _, layout, meta = build_record.load(output)
     days = retention_days or meta.get("retention_days") or 37
-    with completion.job(output, "history", date=d.isoformat()):
+    with completion.job(output, "history", date=d.isoformat()), \
+            progress.step("history", [delta_io.table_path(output, "history")]):
         out = History(spark, cfg, layout, output).update(d, retention_days=days)
     log(f"history {d}: {out}")
     return {"date": d.isoformat(), **out}
