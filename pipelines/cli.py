@@ -69,6 +69,11 @@ def _common_spark(p: argparse.ArgumentParser) -> None:
                         "see the README's \"Cluster storage\"")
 
 
+def _quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (the report on stdout and errors stay)")
+
+
 def _build_args(p):
     p.add_argument("--config", required=True, help="YAML config mapping columns onto roles")
     _input_args(p, actions=False)
@@ -79,6 +84,7 @@ def _build_args(p):
     p.add_argument("--actions", help="optional separate action log (same forms as --input); "
                                      "mapped by columns.actions")
     p.add_argument("--report", help="also write the report as JSON to this file")
+    _quiet(p)
     _common_spark(p)
 
 
@@ -88,6 +94,7 @@ def _day_args(p, needs_input=True):
         _input_args(p)
     p.add_argument("--output", required=True, help="the build folder (as for `userwise build`)")
     p.add_argument("--date", required=True, type=_date, help="the UTC day to process")
+    _quiet(p)
     _common_spark(p)
 
 
@@ -165,6 +172,7 @@ def _backfill_args(p):
     p.add_argument("--nodes", type=_pos_int, default=1)
     p.add_argument("--ranks-per-node", type=_pos_int, default=1)
     p.add_argument("--force", action="store_true", help="rebuild days already published")
+    _quiet(p)
     _common_spark(p)
 
 
@@ -253,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.verbose:
         os.environ["USERWISE_VERBOSE"] = "1"
+    if hasattr(args, "quiet"):  # a build command: its progress lines on stderr, unless --quiet
+        from userwise.pipelines.runtime import progress
+
+        progress.QUIET = args.quiet
     target = COMMANDS[args.command][2]
     mod, fn = target.split(":")
     lock = None

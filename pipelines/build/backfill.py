@@ -33,6 +33,7 @@ import sys
 import time
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.runtime import delta_io, progress
 from userwise.pipelines.shards import publish
 
 
@@ -89,7 +90,8 @@ def build_days(spark, cfg, *, input_path: str, output: str, first: dt.date, last
                         window_days=window_days, actions=actions_path):
         ing = daily.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
         _, layout, meta = build_record.load(output)
-        hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
+        with progress.step("history", [delta_io.table_path(output, "history")]):
+            hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
         wins = [("incremental", d + dt.timedelta(days=1 - window_days), d + dt.timedelta(days=1))
                 for d in days(first, last)]
         sets = daily.set_samples(spark, cfg, layout, output, wins)
@@ -152,6 +154,6 @@ def cli(args) -> int:
     res = backfill(spark, cfg, date_from=args.date_from, date_to=args.date_to, input_path=args.input,
                    output=args.output, actions_path=args.actions, shards=args.shards,
                    window_days=args.window_days, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-                   force=args.force, log=lambda m: print(m, file=sys.stderr))
+                   force=args.force, log=lambda m: progress.say(m, prefix=""))
     print(json.dumps(res))
     return 0

@@ -16,30 +16,24 @@ import datetime as dt
 import json
 
 from userwise.pipelines import config as C
-from userwise.pipelines.build import build_record, completion, validate
+from userwise.pipelines.build import build_record, completion, inputs, validate
 from userwise.pipelines.build.daily import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.build.history import History
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.runtime import delta_io, storage
+from userwise.pipelines.runtime import delta_io, progress, storage
 
 
-def du(path: str) -> int:
-    """Bytes under a folder, local or remote (data files only; 0 when it does not exist)."""
-    import pyarrow.fs as pafs
-
+def input_bytes(spec: str) -> int:
+    """Bytes of the input's data: every form ``--input`` takes (:func:`inputs.resolve`: a
+    Delta table at its version, a file, a folder, a glob, a list), local or remote; 0 when
+    its file system cannot be read here."""
+    total = 0
     try:
-        fs, root = storage.filesystem(path)
-        info = fs.get_file_info(root)
-        if info.type == pafs.FileType.File:
-            return int(info.size or 0)
-        if info.type != pafs.FileType.Directory:
-            return 0
-        found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    except (OSError, ValueError):
+        for src in inputs.resolve(spec):
+            total += delta_io.table_bytes(src.path, src.version) if src.kind == "delta" else storage.du(src.path)
+    except (UserwiseError, OSError, ValueError):
         return 0
-    return sum(int(i.size or 0) for i in found if i.type == pafs.FileType.File
-               and "/_delta_log/" not in i.path and "/_userwise/" not in i.path
-               and not i.base_name.startswith(".") and not i.base_name.endswith(".crc"))
+    return total
 
 
 def windows(as_of: dt.date, pretrain_days: int, window_days: int) -> list[tuple[dt.date, dt.date]]:
@@ -76,8 +70,11 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
         for out, (_, ws, _) in zip(sets, plan):
             log_set(out, ws)
         # the history as of the end of the day before as-of (what the daily jobs would have left)
-        History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention, since=dt.date(1970, 1, 1))
-    return report(spark, cfg, layout, input_path, output, ing.counts, sets)
+        with progress.step("history", [delta_io.table_path(output, "history")]):
+            History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention,
+                                                       since=dt.date(1970, 1, 1))
+    with progress.step("report"):
+        return report(spark, cfg, layout, input_path, output, ing.counts, sets)
 
 
 def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict]) -> dict:
@@ -98,7 +95,7 @@ def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict
         from userwise.pipelines.build.fat_rows import snapshot_counts
 
         rep.update(snapshot_counts(spark, output, [(s["kind"], s["window_end"]) for s in sets]))
-    rep["bytes_in"] = du(input_path)
+    rep["bytes_in"] = input_bytes(input_path)
     rep["bytes_out"] = delta_io.table_bytes(samples_path)  # the current version only, not replaced files
     rep["storage_ratio"] = round(rep["bytes_in"] / rep["bytes_out"], 3) if rep["bytes_out"] else None
     return rep

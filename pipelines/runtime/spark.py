@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from userwise.pipelines.runtime import jars
+from userwise.pipelines.runtime import jars, progress
 
 _LOCAL_DEFAULTS = {
     # 2x the cores of local[2]: measured side by side on the fat-row build at 450k rows,
@@ -148,5 +148,5 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("USERWISE_SPARK_LOG", "WARN"))
     if LOG_PATH:
-        print(f"[userwise] Spark's log: {LOG_PATH}", file=sys.stderr, flush=True)
+        progress.say(f"Spark's log: {LOG_PATH}")  # errors name it too, with --quiet as well
     return spark

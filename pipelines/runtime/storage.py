@@ -178,6 +178,25 @@ def is_dir(url: str) -> bool:
     return info(url).type == pafs.FileType.Directory
 
 
+def du(url: str) -> int:
+    """Bytes of the data files at ``url``: a file's size, or the files under a folder whose
+    names (and folders' names below it) do not start with ``_`` or ``.`` (Spark's convention
+    for what is not data: ``_delta_log``, ``_SUCCESS``, ``.crc``); 0 when nothing is there."""
+    fs, root = filesystem(url)
+    top = fs.get_file_info(root)
+    if top.type == pafs.FileType.File:
+        return int(top.size or 0)
+    if top.type != pafs.FileType.Directory:
+        return 0
+    base = root.rstrip("/") + "/"
+    total = 0
+    for i in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
+        rel = i.path[len(base):] if i.path.startswith(base) else i.base_name
+        if i.type == pafs.FileType.File and not any(p.startswith(("_", ".")) for p in rel.split("/")):
+            total += int(i.size or 0)
+    return total
+
+
 def listdir(url: str) -> list[str]:
     """Base names in a folder ([] when it does not exist)."""
     fs, p = filesystem(url)
