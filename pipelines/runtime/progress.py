@@ -33,13 +33,13 @@ _stack: list[str] = []  # the names of the steps running, innermost last
 _lock = threading.Lock()
 
 
-def say(msg: str) -> None:
-    """One ``[userwise]`` line on stderr (nothing with ``--quiet``)."""
+def say(msg: str, prefix: str = "[userwise] ") -> None:
+    """One line on stderr (nothing with ``--quiet``)."""
     if QUIET:
         return
     with _lock:
         _clear(sys.stderr)
-        print(f"[userwise] {msg}", file=sys.stderr, flush=True)
+        print(f"{prefix}{msg}", file=sys.stderr, flush=True)
 
 
 def line(name: str, rows: int | None, seconds: float) -> str:
@@ -163,9 +163,9 @@ def render(name: str, seconds: float, done: int, total: int, stages: int) -> str
 class _Bar(threading.Thread):
     """Redraws one line on stderr from Spark's status tracker until stopped."""
 
-    def __init__(self, t0: float, stream=None, poll=spark_tasks):
+    def __init__(self, t0: float, stream=None, poll=None):
         super().__init__(name="userwise-progress", daemon=True)
-        self.t0, self.stream, self.poll = t0, stream or sys.stderr, poll
+        self.t0, self.stream, self.poll = t0, stream or sys.stderr, poll or spark_tasks
         self._stop_event = threading.Event()
 
     def run(self) -> None:

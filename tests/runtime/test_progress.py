@@ -1,0 +1,90 @@
+"""A job's progress lines and bar (pipelines/runtime/progress.py), without Spark."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+
+from userwise.pipelines.runtime import progress
+
+LINE = re.compile(r"^\[userwise\] (\S+)\s+([\d,]+) rows\s+(\d+\.\d) s$")
+
+
+@pytest.fixture(autouse=True)
+def _loud(monkeypatch):
+    monkeypatch.setattr(progress, "QUIET", False)
+
+
+def test_a_step_prints_one_line_with_its_rows_and_seconds(capsys):
+    with progress.step("requests") as st:
+        time.sleep(0.1)
+        st.rows = 1234567
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    m = LINE.match(err[0])
+    assert m and m.group(1) == "requests" and m.group(2) == "1,234,567" and float(m.group(3)) >= 0.1, err
+
+
+def test_a_failed_step_prints_no_line_and_quiet_prints_none(capsys, monkeypatch):
+    with pytest.raises(ZeroDivisionError), progress.step("samples"):
+        1 / 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "QUIET", True)
+    with progress.step("samples") as st:
+        st.rows = 3
+    progress.say("anything")
+    assert capsys.readouterr().err == ""
+
+
+def test_rows_of_a_step_come_from_the_commits_it_added(tmp_path, capsys, monkeypatch):
+    """The rows a step writes: the numOutputRows of the Delta commits made while it ran."""
+    got = {}
+
+    def fake_version(path):
+        return got.setdefault(path, 4)
+
+    def fake_rows(path, since):
+        assert since == 4
+        return {"a": 10, "b": 32}[path]
+
+    monkeypatch.setattr(progress, "_version", fake_version)
+    monkeypatch.setattr(progress, "_rows_since", fake_rows)
+    with progress.step("events", ["a", "b"]):
+        pass
+    assert LINE.match(capsys.readouterr().err.strip()).group(2) == "42"
+
+
+def test_the_bar_draws_the_active_stages_tasks_on_a_terminal_and_clears_itself(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(progress, "BAR_AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "BAR_EVERY_S", 0.01)
+    polls = iter([(0, 8, 1), (4, 8, 1), (4, 8, 1)] + [(8, 8, 2)] * 1000)
+    monkeypatch.setattr(progress, "_stack", ["samples"])
+    bar = progress._Bar(time.monotonic(), stream=tty, poll=lambda: next(polls))
+    bar.start()
+    time.sleep(0.3)
+    bar.stop()
+    out = tty.getvalue()
+    frames = [f for f in out.split("\r") if f]
+    assert frames[0].startswith("[userwise] samples     [" + "." * 24 + "] 0/8 tasks (1 stage)")
+    assert any("[" + "#" * 12 + "." * 12 + "] 4/8 tasks" in f for f in frames)
+    assert any("8/8 tasks (2 stages)" in f for f in frames)
+    assert len(frames) < 10  # redrawn when it changes, not every poll
+    assert out.endswith("\r\x1b[K")  # the line is cleared for the step's own line
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "BAR_AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "BAR_EVERY_S", 0.01)
+    monkeypatch.setattr(progress, "spark_tasks", lambda: pytest.fail("polled Spark without a terminal"))
+    with progress.step("history") as st:
+        time.sleep(0.05)
+        st.rows = 1
+    assert "\r" not in capsys.readouterr().err
