@@ -8,6 +8,7 @@ Errors name the key, the column and the fix, in one line, e.g.::
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,9 @@ TOP_KEYS = {
     "max_quarantine_share": 0.01,
     "seed": 0,
     # sane time range for request / action times: from January 1st of min_year (UTC) to
-    # January 1st of max_year; max_year null: no fixed end (rows at or after as-of are
-    # left for a later build, so nothing after as-of is ever built)
+    # January 1st of max_year; max_year null: to the end of the day after the run's UTC
+    # date (a time further ahead is a broken row). Rows at or after as-of and within the
+    # range are left for a later build, so nothing after as-of is ever built.
     "min_year": 1970,
     "max_year": None,
     # how unique request ids are: global (across users; a request is (UTC day, id)),
@@ -212,6 +214,30 @@ class Config:
             snapshot=snapshot,
             input_schema=schema,
         )
+
+
+SECONDS_PER_DAY = 86400
+
+
+def day_start(date, ups: int) -> int:
+    """Epoch time (time units) of a UTC date's midnight."""
+    return (date - dt.date(1970, 1, 1)).days * SECONDS_PER_DAY * ups
+
+
+def time_range(cfg: Config, today: dt.date | None = None) -> tuple[int, int, str]:
+    """The sane time range in time units and its description: [min_year, max_year), or,
+    when max_year is null, from min_year to the end of the day after ``today`` (UTC, the
+    run's date): a time more than a day ahead of the clock is a broken row, while rows
+    at or after as-of but not that far ahead are left for a later build."""
+    ups = cfg.units_per_second
+    lo = day_start(dt.date(cfg.min_year, 1, 1), ups)
+    if cfg.max_year is not None:
+        return lo, day_start(dt.date(cfg.max_year, 1, 1), ups), \
+            f"outside [min_year {cfg.min_year}, max_year {cfg.max_year})"
+    today = today or dt.datetime.now(dt.timezone.utc).date()
+    end = today + dt.timedelta(days=2)
+    return lo, day_start(end, ups), \
+        f"before min_year {cfg.min_year} or after {today + dt.timedelta(days=1)} (a day ahead of the clock)"
 
 
 def _expect(key: str, value: Any, kind: str) -> None:

@@ -78,7 +78,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
         df = _date_filter(df, cfg, start, end) if "date" in input_cols else \
             df.where((F.col("_date") >= F.lit(start)) & (F.col("_date") < F.lit(end)))
     df = ingest.row_reasons(cfg, ingest.Canon(df, layout, canon.input_cols))
-    limit = ingest.day_start(as_of or end, ups)
+    limit = C.day_start(as_of or end, ups)
     later = F.col("_reason").isNull() & (F.col("_rt") >= F.lit(limit))
     df = df.withColumn("_later", later)
     # Cross-row checks never mix rows before and after as-of (a request, a duplicate and a

@@ -18,12 +18,10 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from userwise import schemas as S
-from userwise.pipelines.config import Config
+from userwise.pipelines.config import SECONDS_PER_DAY, Config, time_range
 from userwise.schemas import EV, IMP, REQ, SNAP, Layout
 from userwise.schemas import reasons as R
 from userwise.schemas.layout import field_name, input_name
-
-SECONDS_PER_DAY = 86400
 
 
 @dataclass(frozen=True)
@@ -53,13 +51,6 @@ def _to_units(c: Column, t: T.DataType, ups: int, source=None) -> Column:
 def day_of(units: Column, ups: int) -> Column:
     """UTC date of an epoch time in time units."""
     return F.date_from_unix_date(F.floor(units / F.lit(ups * SECONDS_PER_DAY)).cast("int"))
-
-
-def day_start(date, ups: int) -> int:
-    """Epoch time (time units) of a UTC date's midnight."""
-    import datetime as dt
-
-    return (date - dt.date(1970, 1, 1)).days * SECONDS_PER_DAY * ups
 
 
 def _bits(cols: list[str]) -> Column:
@@ -128,21 +119,8 @@ def _is_bad_number(c: Column, t: T.DataType) -> Column:
     return c.isNull()
 
 
-def time_range(cfg: Config) -> tuple[int, int | None, str]:
-    """The sane time range in time units: [min_year, max_year) (no end when max_year is
-    null: rows at or after as-of are left for a later build) and its description."""
-    import datetime as dt
-
-    ups = cfg.units_per_second
-    lo = day_start(dt.date(cfg.min_year, 1, 1), ups)
-    hi = None if cfg.max_year is None else day_start(dt.date(cfg.max_year, 1, 1), ups)
-    what = f"before min_year {cfg.min_year}" if hi is None else \
-        f"outside [min_year {cfg.min_year}, max_year {cfg.max_year})"
-    return lo, hi, what
-
-
-def _outside(c: Column, lo: int, hi: int | None) -> Column:
-    return (c < lo) if hi is None else ((c < lo) | (c >= hi))
+def _outside(c: Column, lo: int, hi: int) -> Column:
+    return (c < lo) | (c >= hi)
 
 
 def row_reasons(cfg: Config, canon: Canon) -> DataFrame:

@@ -74,11 +74,8 @@ def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
             bad = pc.sum(pc.invert(pc.is_finite(col.fill_null(0)))).as_py() or 0
             if bad:
                 out.append(f"{bad} sampled rows have a NaN or infinite label {c!r}; they will be quarantined")
-    import datetime as _dt
-
     ups = cfg.units_per_second
-    lo = (_dt.date(cfg.min_year, 1, 1) - _dt.date(1970, 1, 1)).days * 86400 * ups
-    hi = None if cfg.max_year is None else (_dt.date(cfg.max_year, 1, 1) - _dt.date(1970, 1, 1)).days * 86400 * ups
+    lo, hi, where = C.time_range(cfg)
     rt_name = cfg.col("request_time")
     seen = None  # rows already warned about (an action time is checked where the request time is fine)
     for role in ("request_time", "action_time"):
@@ -89,18 +86,16 @@ def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
         if hint:
             out.append(hint)
         t = _epoch(table[c], cfg.time_unit)
-        bad = pc.less(t, lo) if hi is None else pc.or_(pc.less(t, lo), pc.greater_equal(t, hi))
+        bad = pc.or_(pc.less(t, lo), pc.greater_equal(t, hi))
         bad = bad.fill_null(False)
         if seen is not None:
             bad = pc.and_(bad, pc.invert(seen))
         seen = bad
         k = pc.sum(bad.cast(pa.int64())).as_py() or 0
         if k:
-            where = f"before min_year {cfg.min_year}" if hi is None else \
-                f"outside [min_year {cfg.min_year}, max_year {cfg.max_year})"
             out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) have a {role} ({c!r}) {where}; "
-                       f"they will be quarantined as bad_time: set min_year"
-                       f"{'' if hi is None else '/max_year'} (or time_unit) to fit the log")
+                       "they will be quarantined as bad_time: set min_year/max_year (or time_unit) "
+                       "to fit the log")
     req = cfg.col("request")
     if req and cfg.request_scope != "user":
         rt = _epoch(table[rt_name], cfg.time_unit)

@@ -1,4 +1,5 @@
 import copy
+import datetime as dt
 
 import pytest
 import yaml
@@ -129,3 +130,16 @@ def test_odd_names_and_our_names_never_collide():
     for t in (S.samples_schema(lay), S.events_schema(lay), S.requests_schema(lay), S.history_schema(lay)):
         assert len(t.names) == len(set(t.names)), t.names
     assert cfg.layout(lay.input_schema) == lay  # a build record's storage schema resolves to the same layout
+
+
+def test_time_range_without_max_year_ends_a_day_ahead_of_the_clock():
+    c = C.parse({k: v for k, v in LEAN_CFG.items() if k not in ("min_year", "max_year")})
+    today = dt.date(2026, 3, 10)
+    lo, hi, what = C.time_range(c, today)
+    ups = c.units_per_second
+    assert lo == 0  # 1970-01-01
+    assert hi == C.day_start(dt.date(2026, 3, 12), ups)  # the end of the day after today
+    assert "2026-03-11" in what and "min_year 1970" in what
+    lo, hi, what = C.time_range(C.parse(dict(c.to_dict(), min_year=2000, max_year=2030)), today)
+    assert (lo, hi) == (C.day_start(dt.date(2000, 1, 1), ups), C.day_start(dt.date(2030, 1, 1), ups))
+    assert "max_year 2030" in what

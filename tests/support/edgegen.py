@@ -303,6 +303,8 @@ def _bad_rows(g: _Log) -> None:
     old = ms(dt.date(1999, 12, 31), 12)
     g.request(403, "b-1999", old, [(520, 1, 0, SEC), (521, 1, 1, SEC)], reason=R.BAD_TIME)
     g.request(403, "g403-1", t, [(522, 0, 0, 0)])
+    # a request time far ahead of the clock (max_year null: more than a day ahead is broken)
+    g.request(403, "b-2200", ms(dt.date(2200, 1, 1), 12), [(597, 0, 0, 0)], reason=R.BAD_TIME)
     # exact duplicates: one copy kept, the extra copies quarantined (a clicked row: one event, not three)
     a = g.imp(404, "g404-1", t, 523, 0, 1, 0, SEC)
     b = g.imp(404, "g404-1", t, 524, 1, 0, 0, 0)
