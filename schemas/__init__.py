@@ -15,6 +15,7 @@ from userwise.schemas.core import (
     schema_fingerprint,
     spark_to_arrow,
 )
+from userwise.schemas.labels import ACTION_BITS, action_bits, decode_action
 from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
 from userwise.schemas.reasons import REASONS
 from userwise.schemas.tables import (
@@ -39,6 +40,7 @@ from userwise.schemas.tables import (
 FIXED_TABLES = (SYNTH_IMPRESSIONS, SYNTH_FAT_IMPRESSIONS, SYNTH_ACTIONS, QUARANTINE, HISTORY_LOG, MANIFEST_SHARD)
 
 __all__ = [
+    "ACTION_BITS", "action_bits", "decode_action",
     "FORMAT_VERSION", "Field", "SchemaError", "TableSchema", "arrow_to_spark", "check_version", "list_of",
     "schema_fingerprint", "spark_to_arrow",
     "EV", "IMP", "OVR", "REQ", "SEQ", "SNAP", "TIME_UNITS", "Layout", "SeqField",

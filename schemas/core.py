@@ -25,6 +25,12 @@ Readers refuse a higher version than they understand (see ``check_version``).
 """
 
 
+COMMENT = "comment"
+"""The field-metadata key of a column's description (:attr:`Field.doc`): the key Spark and
+Delta use for column comments, so ``DESCRIBE TABLE`` shows it and Arrow and delta-rs readers
+find it in the field's metadata."""
+
+
 class SchemaError(ValueError):
     """A table or file does not have the schema this product expects."""
 
@@ -36,9 +42,13 @@ class Field:
     nullable: bool = True
     doc: str = ""
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The column's metadata in every form (Arrow, Spark, Delta): its description."""
+        return {COMMENT: self.doc} if self.doc else {}
+
     def to_arrow(self) -> pa.Field:
-        meta = {b"doc": self.doc.encode()} if self.doc else None
-        return pa.field(self.name, self.type, nullable=self.nullable, metadata=meta)
+        return pa.field(self.name, self.type, nullable=self.nullable, metadata=self.metadata or None)
 
 
 def list_of(t: pa.DataType) -> pa.DataType:
@@ -62,6 +72,8 @@ class TableSchema:
     doc: str = ""
     version: int = FORMAT_VERSION
     metadata: dict = field(default_factory=dict, hash=False, compare=False)
+    properties: dict = field(default_factory=dict, hash=False, compare=False)
+    """Delta table properties the table is written with (``delta_io.replace``)."""
 
     def __post_init__(self):
         names = [f.name for f in self.fields]
@@ -95,14 +107,14 @@ class TableSchema:
         from pyspark.sql import types as T
 
         return T.StructType(
-            [T.StructField(f.name, arrow_to_spark(f.type), f.nullable) for f in self.fields]
+            [T.StructField(f.name, arrow_to_spark(f.type), f.nullable, f.metadata) for f in self.fields]
         )
 
     def to_delta(self):
         """The Delta table schema (delta-rs form), derived from Arrow."""
         from deltalake import Schema
 
-        return Schema.from_arrow(pa.schema([f.to_arrow().remove_metadata() for f in self.fields]))
+        return Schema.from_arrow(pa.schema([f.to_arrow() for f in self.fields]))
 
     def fingerprint(self) -> str:
         """A stable hash of names, types and nullability (not docs)."""

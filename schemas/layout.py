@@ -213,6 +213,12 @@ class Layout:
         return tuple(f for f in self.input_schema if f.name not in skip)
 
     @property
+    def action_bits(self) -> tuple[str, ...]:
+        """The action labels' input names in bit order, bit 0 first: bit i of an action mask
+        (``imp_action``, ``ev_action``, ``seq_action``) is set when label i is > 0."""
+        return tuple(input_name(c) for c in self.action_labels)
+
+    @property
     def request_key_type(self) -> pa.DataType:
         # Without a request column a request is (user, request_time): the key is the time.
         return self.request.type if self.request is not None else pa.int64()

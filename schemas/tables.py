@@ -10,7 +10,8 @@ from __future__ import annotations
 import pyarrow as pa
 
 from userwise.schemas.core import Field, TableSchema, fields, list_of
-from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, Layout
+from userwise.schemas.labels import action_bits_property
+from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, Layout, SeqField, input_name
 
 i8, i32, i64, f32, f64, s, d = pa.int8(), pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string(), pa.date32()
 
@@ -59,13 +60,13 @@ SYNTH_FAT_IMPRESSIONS = TableSchema(
 SYNTH_ACTIONS = TableSchema(
     "actions",
     (
-        Field("date", d, False),
-        Field("uid", i64, False),
-        Field("iid", i64, False),
+        Field("date", d, False, "UTC day of ts (partition)"),
+        Field("uid", i64, False, "user id"),
+        Field("iid", i64, False, "item id"),
         Field("ts", i64, False, "epoch ms"),
         Field("bits", i64, False, "action bits (bit 0 click, bit 1 like)"),
-        Field("cat", i32, False),
-        Field("auth", i64, False),
+        Field("cat", i32, False, "item side-info: the item's category"),
+        Field("auth", i64, False, "item side-info: the item's author"),
     ),
     partition_by=("date",),
     doc="Optional separate action log (searches, purchases, ... from other surfaces).",
@@ -78,11 +79,11 @@ QUARANTINE = TableSchema(
     "quarantine",
     (
         Field("date", d, True, "UTC day of the row's time (null when the time is unreadable)"),
-        Field("source", s, False, "impressions | actions"),
+        Field("source", s, False, "the input the row comes from: impressions or actions"),
         Field("reason", s, False, "machine-readable reason, one of schemas.REASONS, e.g. null_user, bad_label"),
         Field("column", s, True, "the offending column"),
         Field("detail", s, True, "a human-readable explanation"),
-        Field("input_file", s, True),
+        Field("input_file", s, True, "the input file that holds the row"),
         Field("input_row", i64, True, "row index within input_file"),
         Field("row", s, False, "the whole input row as JSON: nothing is lost"),
     ),
@@ -95,7 +96,7 @@ HISTORY_LOG = TableSchema(
     (
         Field("date", d, False, "the date whose MERGE produced this version"),
         Field("version", i64, False, "Delta version of `history` after that date's MERGE"),
-        Field("written_at", pa.timestamp("us", tz="UTC"), False),
+        Field("written_at", pa.timestamp("us", tz="UTC"), False, "when the date was logged (UTC)"),
     ),
     doc="Per date, the history table's Delta version: the start of the next window.",
 )
@@ -104,18 +105,18 @@ MANIFEST_SHARD = TableSchema(
     "manifest_shard",
     (
         Field("path", s, False, "relative to the shard set root, e.g. node=0/shard-00000.parquet"),
-        Field("node", i32, False),
+        Field("node", i32, False, "the node the shard is for"),
         Field("rank", i32, False, "the local rank the shard was balanced for"),
-        Field("rows", i64, False),
-        Field("events", i64, False),
-        Field("impressions", i64, False),
+        Field("rows", i64, False, "samples in the shard"),
+        Field("events", i64, False, "stored events in the shard"),
+        Field("impressions", i64, False, "impressions in the shard"),
         Field("cost", i64, False, "events + impressions"),
-        Field("bytes", i64, False),
-        Field("row_groups", i32, False),
+        Field("bytes", i64, False, "file size"),
+        Field("row_groups", i32, False, "Parquet row groups in the file"),
         Field("sha256", s, False, "content checksum of the file"),
         Field("gds_path", s, True, "the raw side file (gds layout)"),
-        Field("gds_bytes", i64, True),
-        Field("gds_sha256", s, True),
+        Field("gds_bytes", i64, True, "size of the raw side file"),
+        Field("gds_sha256", s, True, "content checksum of the raw side file"),
     ),
     doc="One entry per shard in manifest.json (see MANIFEST_KEYS).",
 )
@@ -153,27 +154,77 @@ MANIFEST_SET_KEYS = {
 # --------------------------------------------------------------------------
 # Layout-dependent tables
 # --------------------------------------------------------------------------
-def _orig(prefix: str, cols) -> tuple[Field, ...]:
-    return tuple(Field(prefix + f.name, f.type, True) for f in cols)
+# Descriptions of the columns named after the input's; README "The samples table" shows
+# them with `<col>` and `<type>` in place of an input column's name and type.
+REQ_DOC = "input column `{col}` ({type}), once per request"
+IMP_DOC = "per impression, in display order: input column `{col}` ({type})"
+SAMPLES_REQ_DOC = "per request: input column `{col}` ({type})"
+SAMPLES_IMP_DOC = "per impression, requests in order (req_num_imps splits them): input column `{col}` ({type})"
+SNAP_DOC = "fat rows: the request's snapshot, input list column `{col}` ({type})"
+FEATURE_DOC = "item feature: input column `{col}` ({type})"
+SNAPSHOT_FIELD_DOC = "elements of the fat rows' snapshot column `{col}` ({type})"
+ACTION_DOC = ("action bits: bit i is set when action label i is > 0; the table property "
+              "`userwise.action_bits` lists the labels in bit order (`userwise.schemas.action_bits`)")
+SEQ_DOCS = {
+    "ts": "action time, in time_unit",
+    "item": "item id (the input's item column and type)",
+    "action": ACTION_DOC,
+}
+EVENT_LIST = "per event, oldest first: "
+OVERRIDE_LIST = "fat rows, per override event (ovr_offsets splits them): "
 
 
-def _orig_lists(prefix: str, cols) -> tuple[Field, ...]:
-    return tuple(Field(prefix + f.name, list_of(f.type), False) for f in cols)
+def input_doc(template: str, layout: Layout, col: str) -> str:
+    """``template`` filled with the input column stored as ``col``: its own name and type."""
+    return template.format(col=input_name(col), type=layout.source_type(col))
+
+
+def seq_doc(layout: Layout, sf: SeqField) -> str:
+    """What one value of a sequence field is (a stored event's ``ts``, ``item``, ...)."""
+    if layout.fat:
+        return input_doc(SNAPSHOT_FIELD_DOC, layout, sf.source)
+    if sf.source is not None:
+        return input_doc(FEATURE_DOC, layout, sf.source)
+    return SEQ_DOCS[sf.name]
+
+
+MASK_COLUMNS = frozenset({"imp_action", EV + "action", SEQ + "action"})
+
+
+def _properties(layout: Layout, flds: tuple[Field, ...]) -> dict[str, str]:
+    """The table properties of a table with these fields: the action bits' label names when
+    it holds a mask column."""
+    return action_bits_property(layout.action_bits) if MASK_COLUMNS & {f.name for f in flds} else {}
+
+
+def _orig(template: str, prefix: str, layout: Layout, cols) -> tuple[Field, ...]:
+    return tuple(Field(prefix + f.name, f.type, True, input_doc(template, layout, f.name)) for f in cols)
+
+
+def _orig_lists(template: str, prefix: str, layout: Layout, cols) -> tuple[Field, ...]:
+    return tuple(Field(prefix + f.name, list_of(f.type), False, input_doc(template, layout, f.name))
+                 for f in cols)
+
+
+USER_DOC = "user key (the input's user column and type)"
+REQUEST_KEY_DOC = "request key: the input's request column (its type), or req_time when none is mapped"
 
 
 def event_fields(layout: Layout) -> tuple[Field, ...]:
     """Sequence events with their full sort key (action_time, request_time,
     request_id, position, item, action bits, features), nulls first."""
     out = [
-        Field(EV + "ts", i64, False, "action time in time_unit"),
-        Field(EV + "req_time", i64, True, "null for action-log events"),
-        Field(EV + "req_id", layout.request_key_type, True),
-        Field(EV + "pos", i64, True),
+        Field(EV + "ts", i64, False, SEQ_DOCS["ts"]),
+        Field(EV + "req_time", i64, True, "request time of the event's impression, in time_unit; "
+              "null for action-log events"),
+        Field(EV + "req_id", layout.request_key_type, True,
+              "request key of the event's impression; null for action-log events"),
+        Field(EV + "pos", i64, True, "display position of the event's impression; null for action-log events"),
     ]
     for sf in layout.seq_fields:
         if sf.name == "ts":
             continue
-        out.append(Field(EV + sf.name, sf.type, True))
+        out.append(Field(EV + sf.name, sf.type, True, seq_doc(layout, sf)))
     return tuple(out)
 
 
@@ -189,89 +240,99 @@ def sort_key(layout: Layout) -> list[str]:
 def requests_schema(layout: Layout) -> TableSchema:
     snap: tuple[Field, ...] = ()
     if layout.fat:
-        snap = tuple(Field(SNAP + sf.name, list_of(sf.type), True) for sf in layout.snapshot)
+        snap = tuple(Field(SNAP + sf.name, list_of(sf.type), True, input_doc(SNAP_DOC, layout, sf.source))
+                     for sf in layout.snapshot)
+    flds = fields(
+        Field("date", d, False, "UTC day of req_time (partition)"),
+        Field("user", layout.user.type, False, USER_DOC),
+        Field("req_id", layout.request_key_type, False, REQUEST_KEY_DOC),
+        Field("req_time", i64, False, "request time, in time_unit"),
+        Field("num_imps", i32, False, "impressions of the request: the length of every imp_* list"),
+        _orig(REQ_DOC, REQ, layout, layout.stored_request_columns),
+        _orig_lists(IMP_DOC, IMP, layout, layout.impression_columns),
+        Field("imp_pos", list_of(i64), False, "per impression: display position (the canonical order)"),
+        Field("imp_action_time", list_of(i64), False, "per impression: action time, in time_unit"),
+        Field("imp_action", list_of(i64), False, "per impression: " + ACTION_DOC),
+        snap,
+    )
     return TableSchema(
-        "requests",
-        fields(
-            Field("date", d, False, "UTC day of request_time"),
-            Field("user", layout.user.type, False),
-            Field("req_id", layout.request_key_type, False),
-            Field("req_time", i64, False, "request time in time_unit"),
-            Field("num_imps", i32, False),
-            _orig(REQ, layout.stored_request_columns),
-            _orig_lists(IMP, layout.impression_columns),
-            Field("imp_pos", list_of(i64), False, "canonical display order"),
-            Field("imp_action_time", list_of(i64), False, "action time in time_unit"),
-            Field("imp_action", list_of(i64), False, "action bits per impression"),
-            snap,
-        ),
+        "requests", flds,
         partition_by=("date",),
         doc="One row per request; impressions as struct-of-arrays in display order.",
+        properties=_properties(layout, flds),
     )
 
 
 def events_schema(layout: Layout) -> TableSchema:
+    flds = fields(
+        Field("date", d, False, "source day: the request's UTC day, or the action log's (partition)"),
+        Field("user", layout.user.type, False, USER_DOC),
+        event_fields(layout),
+    )
     return TableSchema(
-        "events",
-        fields(
-            Field("date", d, False, "source date: the request's day, or the action log's day"),
-            Field("user", layout.user.type, False),
-            event_fields(layout),
-        ),
+        "events", flds,
         partition_by=("date",),
         doc="The action stream, one row per event (internal).",
+        properties=_properties(layout, flds),
     )
 
 
 def history_schema(layout: Layout) -> TableSchema:
+    flds = fields(
+        Field("user", layout.user.type, False, USER_DOC),
+        Field("last_event_date", d, False, "UTC day of the user's newest event"),
+        Field("num_events", i32, False, "events in the lists (at most history_length)"),
+        tuple(Field(f.name, list_of(f.type), False, EVENT_LIST + f.doc) for f in event_fields(layout)),
+    )
     return TableSchema(
-        "history",
-        fields(
-            Field("user", layout.user.type, False),
-            Field("last_event_date", d, False, "UTC day of the user's newest event"),
-            Field("num_events", i32, False),
-            tuple(Field(f.name, list_of(f.type), False) for f in event_fields(layout)),
-        ),
+        "history", flds,
         doc="Per user, the newest H events of the stream, in stream order (kept by MERGE).",
+        properties=_properties(layout, flds),
     )
 
 
 def samples_schema(layout: Layout) -> TableSchema:
-    seq = tuple(Field(SEQ + sf.name, list_of(sf.type), False) for sf in layout.seq_fields)
+    seq = tuple(Field(SEQ + sf.name, list_of(sf.type), False, EVENT_LIST + seq_doc(layout, sf))
+                for sf in layout.seq_fields)
     fat: tuple[Field, ...] = ()
     if layout.fat:
         fat = (
-            Field("req_snapshot", list_of(i8), False, "0: slice, 1: override, 2: null snapshot"),
-            Field(OVR + "req", list_of(i32), False, "request index of each override"),
-            Field(OVR + "offsets", list_of(i32), False, "len(overrides)+1 offsets into ovr_<field>"),
-        ) + tuple(Field(OVR + sf.name, list_of(sf.type), False) for sf in layout.seq_fields)
+            Field("req_snapshot", list_of(i8), False,
+                  "fat rows, per request: its snapshot is 0: a slice seq_*[begin:end], 1: an override, 2: null"),
+            Field(OVR + "req", list_of(i32), False, "fat rows, per override: the index of its request"),
+            Field(OVR + "offsets", list_of(i32), False,
+                  "fat rows: override k is ovr_<field>[offsets[k]:offsets[k+1]] (one more than the overrides)"),
+        ) + tuple(Field(OVR + sf.name, list_of(sf.type), False, OVERRIDE_LIST + seq_doc(layout, sf))
+                  for sf in layout.seq_fields)
+    flds = fields(
+        Field("format_version", i32, False, "userwise format version of the row (readers refuse a newer one)"),
+        Field("sample_id", i64, False, "xxhash64(kind, window_end, user, chunk)"),
+        Field("kind", s, False, "pretrain or incremental (partition)"),
+        Field("window_start", d, False, "first day of the window"),
+        Field("window_end", d, False, "day after the window: the window is [window_start, window_end) (partition)"),
+        Field("user", layout.user.type, False, USER_DOC),
+        Field("chunk", i32, False, "0, 1, ...: the user's chunks in time order, split by max_sample_cost"),
+        Field("num_requests", i32, False, "requests in the sample: the length of every req_* list"),
+        Field("num_impressions", i32, False, "impressions in the sample: the length of every imp__* list"),
+        Field("num_events", i32, False, "stored events: the length of every seq_* list"),
+        Field("cost", i64, False, "stored events (overrides included) + impressions"),
+        seq,
+        Field("req_id", list_of(layout.request_key_type), False, "per request: " + REQUEST_KEY_DOC),
+        Field("req_time", list_of(i64), False, "per request: request time, in time_unit; requests in time order"),
+        Field("req_seq_begin", list_of(i32), False, "per request: it sees seq_*[begin:end]"),
+        Field("req_seq_end", list_of(i32), False,
+              "per request: end of what it sees, the stored events strictly before its request time"),
+        Field("req_num_imps", list_of(i32), False, "per request: its impressions, which split the imp__* lists"),
+        _orig_lists(SAMPLES_REQ_DOC, REQ, layout, layout.stored_request_columns),
+        _orig_lists(SAMPLES_IMP_DOC, IMP, layout, layout.impression_columns),
+        fat,
+    )
     return TableSchema(
-        "samples",
-        fields(
-            Field("format_version", i32, False),
-            Field("sample_id", i64, False, "xxhash64(kind, window_end, user, chunk)"),
-            Field("kind", s, False, "pretrain | incremental"),
-            Field("window_start", d, False),
-            Field("window_end", d, False, "exclusive"),
-            Field("user", layout.user.type, False),
-            Field("chunk", i32, False, "0.. for users split by max_sample_cost"),
-            Field("num_requests", i32, False),
-            Field("num_impressions", i32, False),
-            Field("num_events", i32, False, "stored events"),
-            Field("cost", i64, False, "stored events (overrides included) + impressions"),
-            seq,
-            Field("req_id", list_of(layout.request_key_type), False),
-            Field("req_time", list_of(i64), False),
-            Field("req_seq_begin", list_of(i32), False, "request r sees seq[begin:end]"),
-            Field("req_seq_end", list_of(i32), False),
-            Field("req_num_imps", list_of(i32), False),
-            _orig_lists(REQ, layout.stored_request_columns),
-            _orig_lists(IMP, layout.impression_columns),
-            fat,
-        ),
+        "samples", flds,
         partition_by=("kind", "window_end"),
         doc="One row per (user, window, chunk): one stored sequence, requests point into it.",
         metadata={"roles": layout.roles()},
+        properties=_properties(layout, flds),
     )
 
 

@@ -140,14 +140,17 @@ def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = ()
     """Atomically replace the rows matching ``where`` (or the whole table) with ``df``.
 
     The DataFrame is cast to ``schema`` (a TableSchema) first: the schema
-    contract of every table we write.
+    contract of every table we write. Its columns carry their descriptions (the
+    ``comment`` of each field, which replaceWhere and MERGE keep), and the table
+    gets the schema's properties (``schema.properties``, then ``properties``).
     """
     spark = df.sparkSession
     if schema is not None:
         from pyspark.sql import functions as F
 
         st = schema.to_spark()
-        df = df.select([F.col(f.name).cast(f.dataType).alias(f.name) for f in st.fields])
+        df = df.select([F.col(f.name).cast(f.dataType).alias(f.name, metadata=f.metadata) for f in st.fields])
+        properties = {**schema.properties, **(properties or {})}
     w = df.write.format("delta").mode("overwrite").option("compression", CODEC)
     if partition_by:
         w = w.partitionBy(*partition_by)
@@ -157,13 +160,41 @@ def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = ()
         else:
             w = w.option("overwriteSchema", "false")
     w.save(path)
+    if schema is not None:
+        describe(spark, path, schema)
     if properties:
         set_properties(spark, path, properties)
 
 
+def _sql_string(v: str) -> str:
+    return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def set_properties(spark, path: str, props: dict[str, str]) -> None:
-    sets = ", ".join(f"'{k}' = '{v}'" for k, v in props.items())
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({sets})")
+    """Set the table properties ``props`` that differ from the table's (one commit; none
+    when all are already set)."""
+    from deltalake import DeltaTable as RsTable
+
+    have = RsTable(path).metadata().configuration
+    todo = {k: str(v) for k, v in props.items() if have.get(k) != str(v)}
+    if todo:
+        sets = ", ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in todo.items())
+        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({sets})")
+
+
+def describe(spark, path: str, schema) -> None:
+    """Give the table's columns the descriptions of ``schema`` (a TableSchema) where they
+    differ: a table created by a write already has them; one created without them (or with
+    other texts) gets them in one ALTER TABLE commit."""
+    from deltalake import DeltaTable as RsTable
+
+    from userwise.schemas.core import COMMENT
+
+    have = {f.name: (f.metadata or {}).get(COMMENT) for f in RsTable(path).schema().fields}
+    todo = [f for f in schema.fields if f.doc and f.name in have and have[f.name] != f.doc]
+    if todo:
+        cols = ", ".join(f"`{f.name}` {COMMENT.upper()} {_sql_string(f.doc)}" for f in todo)
+        spark.sql(f"ALTER TABLE delta.`{path}` ALTER COLUMN {cols}")
 
 
 def merge_by_key(spark, path: str, updates, key: str) -> None:
