@@ -75,6 +75,15 @@ SYNTH_ACTIONS = TableSchema(
 # --------------------------------------------------------------------------
 # Quarantine and bookkeeping
 # --------------------------------------------------------------------------
+DATE_LAYOUT = """The layout of `requests`, `events` and `quarantine`: not partitioned. A write orders
+its rows by the table's ``order_by`` (date first) and range-partitions them into files that
+Spark sizes by the data, so a file holds a contiguous run of dates and the number of files
+follows the data, not the number of days. Readers that filter by date skip files by their
+min/max statistics (Spark's data skipping, delta-rs' Arrow dataset), and ``replaceWhere`` on
+dates replaces exactly those dates' rows, rewriting only the files whose runs hold them. A
+table created with date partitions keeps them (Delta keeps a table's partitioning) and stays
+readable and writable; build into an empty folder for this layout."""
+
 QUARANTINE = TableSchema(
     "quarantine",
     (
@@ -87,8 +96,8 @@ QUARANTINE = TableSchema(
         Field("input_row", i64, True, "row index within input_file"),
         Field("row", s, False, "the whole input row as JSON: nothing is lost"),
     ),
-    partition_by=("date",),
-    doc="Every rejected input row with a reason.",
+    order_by=("date", "input_file", "input_row"),
+    doc="Every rejected input row with a reason. Not partitioned: files hold runs of dates (DATE_LAYOUT).",
 )
 
 HISTORY_LOG = TableSchema(
@@ -243,7 +252,7 @@ def requests_schema(layout: Layout) -> TableSchema:
         snap = tuple(Field(SNAP + sf.name, list_of(sf.type), True, input_doc(SNAP_DOC, layout, sf.source))
                      for sf in layout.snapshot)
     flds = fields(
-        Field("date", d, False, "UTC day of req_time (partition)"),
+        Field("date", d, False, "UTC day of req_time"),
         Field("user", layout.user.type, False, USER_DOC),
         Field("req_id", layout.request_key_type, False, REQUEST_KEY_DOC),
         Field("req_time", i64, False, "request time, in time_unit"),
@@ -257,22 +266,24 @@ def requests_schema(layout: Layout) -> TableSchema:
     )
     return TableSchema(
         "requests", flds,
-        partition_by=("date",),
-        doc="One row per request; impressions as struct-of-arrays in display order.",
+        order_by=("date", "user"),
+        doc="One row per request; impressions as struct-of-arrays in display order. Not partitioned: "
+        "files hold runs of dates (DATE_LAYOUT).",
         properties=_properties(layout, flds),
     )
 
 
 def events_schema(layout: Layout) -> TableSchema:
     flds = fields(
-        Field("date", d, False, "source day: the request's UTC day, or the action log's (partition)"),
+        Field("date", d, False, "source day: the request's UTC day, or the action log's"),
         Field("user", layout.user.type, False, USER_DOC),
         event_fields(layout),
     )
     return TableSchema(
         "events", flds,
-        partition_by=("date",),
-        doc="The action stream, one row per event (internal).",
+        order_by=("date", "user"),
+        doc="The action stream, one row per event (internal). Not partitioned: files hold runs of "
+        "dates (DATE_LAYOUT).",
         properties=_properties(layout, flds),
     )
 
@@ -301,7 +312,7 @@ def samples_schema(layout: Layout) -> TableSchema:
                   "fat rows, per request: its snapshot is 0: a slice seq_*[begin:end], 1: an override, 2: null"),
             Field(OVR + "req", list_of(i32), False, "fat rows, per override: the index of its request"),
             Field(OVR + "offsets", list_of(i32), False,
-                  "fat rows: override k is ovr_<field>[offsets[k]:offsets[k+1]] (one more than the overrides)"),
+                  "fat rows: override k is ovr_*[offsets[k]:offsets[k+1]] (one more than the overrides)"),
         ) + tuple(Field(OVR + sf.name, list_of(sf.type), False, OVERRIDE_LIST + seq_doc(layout, sf))
                   for sf in layout.seq_fields)
     flds = fields(
@@ -330,7 +341,9 @@ def samples_schema(layout: Layout) -> TableSchema:
     return TableSchema(
         "samples", flds,
         partition_by=("kind", "window_end"),
-        doc="One row per (user, window, chunk): one stored sequence, requests point into it.",
+        doc="One row per (user, window, chunk): one stored sequence, requests point into it. "
+        "Partitioned by set: a set is what readers, preshard and publish select, and there are as "
+        "many as the windows asked for (one file each), not one per day of input.",
         metadata={"roles": layout.roles()},
         properties=_properties(layout, flds),
     )

@@ -178,3 +178,178 @@ def test_an_input_whose_schema_changed_since_the_build_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"column 'extra' is new"):
         build_record.save(str(tmp_path), cfg, cfg.layout(base.append(pa.field("extra", pa.int64()))))
     assert build_record.load(str(tmp_path))[1].input_schema.equals(cfg.layout(base).input_schema)
+
+
+# ---------------------------------------------------------------------------
+# Tables that explain themselves: column descriptions, action bits, the README
+# ---------------------------------------------------------------------------
+def published_tables():
+    """Every Delta table a build or a daily job writes, for the lean and the fat layout."""
+    lean, fat = layouts()
+    out = [S.QUARANTINE, S.HISTORY_LOG]
+    for lay in (lean, fat):
+        out += [S.requests_schema(lay), S.events_schema(lay), S.history_schema(lay), S.samples_schema(lay)]
+    return out
+
+
+def test_every_column_of_the_published_tables_carries_its_description():
+    """Each field's doc is its description in every form: the Arrow field metadata (what
+    delta-rs writes as the Delta comment), the Spark StructField metadata (what Delta
+    writes from Spark) and the Delta schema, under the key Spark and Delta use for comments."""
+    from userwise.pipelines.runtime import delta_io
+    from userwise.schemas.core import COMMENT
+
+    tables = published_tables()
+    assert {t.name for t in tables} == set(delta_io.TABLES)
+    for t in tables:
+        for f in t.fields:
+            assert f.doc.strip(), (t.name, f.name)
+        arrow = t.to_arrow()
+        assert [af.metadata[COMMENT.encode()].decode() for af in arrow] == [f.doc for f in t.fields], t.name
+        assert [d.metadata[COMMENT] for d in t.to_delta().fields] == [f.doc for f in t.fields], t.name
+        assert S.schema_fingerprint(arrow) == S.schema_fingerprint(arrow.remove_metadata())
+
+
+def test_descriptions_reach_spark(spark):
+    from userwise.schemas.core import COMMENT
+
+    for t in published_tables():
+        assert [sf.metadata.get(COMMENT) for sf in t.to_spark().fields] == [f.doc for f in t.fields], t.name
+
+
+def test_input_columns_are_described_by_their_own_name_and_type():
+    schema = S.SYNTH_IMPRESSIONS.to_arrow()
+    arrow = schema.set(schema.get_field_index("score"), pa.field("score", pa.timestamp("ms", tz="UTC")))
+    arrow = arrow.set(arrow.get_field_index("device"), pa.field("the device", pa.string()))
+    cfg = json.loads(json.dumps(LEAN_CFG))
+    cfg["columns"]["context_features"] = ["the device" if c == "device" else c
+                                          for c in cfg["columns"]["context_features"]]
+    lay = C.parse(cfg).layout(arrow)
+    docs = {f.name: f.doc for f in S.samples_schema(lay).fields}
+    assert docs["imp__score"].endswith("input column `score` (timestamp[ms, tz=UTC])")
+    assert docs["req__the%20device"] == "per request: input column `the device` (string)"
+    assert {f.name: f.doc for f in S.requests_schema(lay).fields}["req__the%20device"] == \
+        "input column `the device` (string), once per request"
+    assert docs["seq_category"] == "per event, oldest first: item feature: input column `category` (int32)"
+
+
+def test_seq_names_only_per_event_lists():
+    """`seq_` starts only the names of per-event lists (one value per stored event); every
+    count is a scalar with another name."""
+    for t in published_tables():
+        for f in t.fields:
+            if f.name.startswith(S.SEQ):
+                assert pa.types.is_list(f.type) and f.doc.startswith("per event"), (t.name, f.name)
+    lean, fat = layouts()
+    for lay in (lean, fat):
+        names = S.samples_schema(lay).names
+        assert "num_events" in names and "seq_len" not in names
+
+
+def test_tables_with_an_action_mask_name_its_bits():
+    lean, fat = layouts()
+    key = S.ACTION_BITS
+    assert lean.action_bits == ("click", "like")
+    for lay in (lean, fat):
+        for t in (S.requests_schema(lay), S.events_schema(lay), S.history_schema(lay), S.samples_schema(lay)):
+            masks = {"imp_action", "ev_action", "seq_action"} & set(t.names)
+            assert (key in t.properties) == bool(masks), (t.name, lay.fat)
+            if masks:
+                assert json.loads(t.properties[key]) == ["click", "like"]
+    # fat samples hold no mask (their sequences are the snapshot's columns); their requests do
+    assert key not in S.samples_schema(fat).properties and key in S.requests_schema(fat).properties
+    # the order is the config's action_labels, by input name
+    cfg = json.loads(json.dumps(LEAN_CFG))
+    cfg["columns"]["action_labels"] = ["like", "click"]
+    lay = C.parse(cfg).layout(S.SYNTH_IMPRESSIONS.to_arrow())
+    assert json.loads(S.samples_schema(lay).properties[key]) == ["like", "click"] == list(lay.action_bits)
+
+
+def test_decode_action():
+    labels = ["click", "like", "share"]
+    assert S.decode_action(0, labels) == []
+    assert S.decode_action(1, labels) == ["click"]
+    assert S.decode_action(6, labels) == ["like", "share"]
+    assert S.decode_action(7, labels) == labels
+
+
+def test_action_bits_are_read_without_spark(tmp_path):
+    """``schemas.action_bits`` reads a table's property, or a build folder's samples' (else its
+    requests'), with delta-rs; a path without them is refused in one line."""
+    from deltalake import DeltaTable, write_deltalake
+
+    def table(path, props):
+        write_deltalake(str(path), pa.table({"a": [1]}))
+        if props:
+            DeltaTable(str(path)).alter.set_table_properties(props, raise_if_not_exists=False)
+
+    table(tmp_path / "D" / "requests", {S.ACTION_BITS: json.dumps(["click", "like"])})
+    table(tmp_path / "D" / "samples", {})  # fat samples: no mask
+    assert S.action_bits(str(tmp_path / "D")) == ["click", "like"]
+    assert S.action_bits(str(tmp_path / "D" / "requests") + "/") == ["click", "like"]
+    with pytest.raises(S.SchemaError, match="no table property userwise.action_bits"):
+        S.action_bits(str(tmp_path / "D" / "samples"))
+    with pytest.raises(S.SchemaError, match="neither a Delta table nor a build folder"):
+        S.action_bits(str(tmp_path))
+
+
+# The README's samples table (section "The samples table") lists every column of the lean and
+# the fat samples: the columns named after the input's once, with placeholders.
+README_BEGIN, README_END = "<!-- samples-columns -->", "<!-- /samples-columns -->"
+PLACE = {"col": "<col>", "type": "its type"}
+
+
+def _type_text(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return f"list<{_type_text(t.value_type)}>"
+    return "date" if pa.types.is_date32(t) else str(t)
+
+
+def samples_readme_rows() -> list[tuple[str, str, str]]:
+    """(column, type, meaning) of every samples column, in schema order (fat-only ones last)."""
+    from userwise.schemas import tables as T
+
+    rows: dict[str, tuple[str, str, str]] = {}
+    for lay in layouts():
+        generic = {
+            "user": ("user", "user type", None),
+            "req_id": ("req_id", "list<request key type>", None),
+            S.SEQ + "item": (S.SEQ + "item", "list<item type>", None),
+        }
+        for c in lay.stored_request_columns:
+            generic[S.REQ + c.name] = (S.REQ + "<col>", "list<type>", T.SAMPLES_REQ_DOC.format(**PLACE))
+        for c in lay.impression_columns:
+            generic[S.IMP + c.name] = (S.IMP + "<col>", "list<type>", T.SAMPLES_IMP_DOC.format(**PLACE))
+        for sf in lay.seq_fields:
+            if lay.fat:
+                generic[S.SEQ + sf.name] = (S.SEQ + "<role>", "list<element type>",
+                                            T.EVENT_LIST + T.SNAPSHOT_FIELD_DOC.format(**PLACE))
+                generic[S.OVR + sf.name] = (S.OVR + "<role>", "list<element type>",
+                                            T.OVERRIDE_LIST + T.SNAPSHOT_FIELD_DOC.format(**PLACE))
+            elif sf.source is not None:
+                generic[S.SEQ + sf.name] = (S.SEQ + "<feature>", "list<type>",
+                                            T.EVENT_LIST + T.FEATURE_DOC.format(**PLACE))
+        for f in S.samples_schema(lay).fields:
+            name, typ, doc = generic.get(f.name, (f.name, _type_text(f.type), None))
+            row = (name, typ, doc or f.doc)
+            assert rows.setdefault(name, row) == row, (name, rows[name], row)
+    return list(rows.values())
+
+
+def samples_readme_table() -> str:
+    lines = ["| column | type | meaning |", "|---|---|---|"]
+    lines += [f"| `{n}` | `{t}` | {d} |" for n, t, d in samples_readme_rows()]
+    return "\n".join(lines)
+
+
+def test_readme_documents_every_samples_column_as_the_schema_does():
+    """The README's samples table is the schema's docs: a column added, renamed or described
+    differently in schemas/tables.py fails here until the README says the same (the
+    expected table is in the failure message)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    assert README_BEGIN in text and README_END in text, "README lacks the samples table markers"
+    got = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+    want = samples_readme_table()
+    assert got == want, "README's samples table differs from the schema; expected:\n" + want
