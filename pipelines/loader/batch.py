@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from userwise.schemas.layout import input_name
+
 __all__ = ["JaggedBatch", "expand_batch"]
 
 ALIGN = 64
@@ -287,7 +289,8 @@ def expand_batch(batch: JaggedBatch):
     Columns: the user column (its input name), every ``req__`` column
     repeated per impression (and ``req_id`` / ``req_time`` under the request
     key's and request time's input names, roles ``request_derived``) and every
-    ``imp__`` column, all under their original names, then per impression its visible history
+    ``imp__`` column, all under the input's own names (the stored names decoded by
+    ``schemas.layout.input_name``), then per impression its visible history
     ``seq_<field>`` = the stored seq[begin:end] of its request. For fat-row
     builds the history columns take the snapshot columns' input names, and a
     request's override (``req_snapshot`` 1) or null snapshot (2) comes back
@@ -357,4 +360,7 @@ def expand_batch(batch: JaggedBatch):
                                        mask=None if null is None else pa.array(null))
         table[names.get(name[len("seq_"):], name)] = arr
     order = [c for c in roles.get("input_columns", []) if c in table]  # fat: snapshots sit among the inputs
-    return pa.table({c: table[c] for c in order + [c for c in table if c not in order]})
+    out = {}
+    for c in order + [c for c in table if c not in order]:  # storage names -> the input's own names
+        out[c if input_name(c) in out else input_name(c)] = table[c]
+    return pa.table(out)

@@ -265,6 +265,39 @@ def test_expand_batch_matches_plain_python_expansion(shardset):
     assert any(r["score"] is None for r in got.to_pylist())  # nulls survive
 
 
+def test_expand_batch_gives_odd_input_names_back(tmp_path, monkeypatch):
+    """Input columns whose names Spark or Delta refuse are stored under escaped names
+    (``imp__score%20%28raw%29``); expanded rows carry the input's own names again."""
+    from userwise import schemas
+    from userwise.pipelines import config
+    from userwise.pipelines.tools import shardgen, synth
+
+    odd = {"user_id": "user.id", "score": "score (raw)"}
+    src = schemas.SYNTH_IMPRESSIONS.to_arrow()
+    src = pa.schema([f.with_name(odd.get(f.name, f.name)) for f in src])
+    cfg = synth.make_config(20, 0, fat=False, actions=False)
+    cfg["columns"]["user"] = odd["user_id"]
+    lay = config.parse(cfg).layout(src)
+    stored = "imp__" + schemas.layout.storage_name(odd["score"])
+    assert stored in schemas.shard_schema(lay).to_arrow().names  # the case really escapes a name
+    row = shardgen._row
+    monkeypatch.setattr(shardgen, "layout", lambda: lay)
+    monkeypatch.setattr(shardgen, "_row", lambda *a, **k: {stored if c == "imp__score" else c: v
+                                                            for c, v in row(*a, **k).items()})
+    root = str(tmp_path)
+    shardgen.write_shard_set(root, nodes=1, ranks_per_node=1, sets=(("incremental", "2026-01-04", "2026-01-05", 6),))
+    ds = UserwiseDataset(root, batch_size=8, verify="none", world_size=1, rank=0)
+    got = pa.concat_tables([expand_batch(b) for b in UserwiseLoader(ds)])
+    assert got.schema.names[:16] == src.names
+    assert not [n for n in got.schema.names if "%" in n]
+    rows = all_rows(root)
+    assert sorted(got["user.id"].to_pylist()) == sorted(u for u, k in zip(rows["user"].to_pylist(),
+                                                                            rows["num_impressions"].to_pylist())
+                                                        for _ in range(k))
+    assert sorted(got["score (raw)"].to_pylist(), key=str) == sorted(
+        (x for v in rows[stored].to_pylist() for x in v), key=str)
+
+
 def test_batch_memory_methods_on_cpu(shardset):
     ds = UserwiseDataset(shardset, batch_size=8, verify="none", world_size=1, rank=0, device="cpu")
     b = next(iter(UserwiseLoader(ds)))
