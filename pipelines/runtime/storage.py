@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import posixpath
+import shutil
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
@@ -203,6 +204,51 @@ def listdir(url: str) -> list[str]:
     if fs.get_file_info(p).type != pafs.FileType.Directory:
         return []
     return [posixpath.basename(i.path.rstrip("/")) for i in fs.get_file_info(pafs.FileSelector(p))]
+
+
+def walk(url: str):
+    """``os.walk`` for a local path or a URL: (folder, sub-folder names, file names) top-down,
+    each folder as :func:`join` of ``url`` and its names; removing names from the yielded
+    sub-folder list prunes them. Nothing when ``url`` is not a folder."""
+    if is_local(url):
+        yield from os.walk(local_path(url))
+        return
+    fs, top = filesystem(url)
+    if fs.get_file_info(top).type != pafs.FileType.Directory:
+        return
+    stack = [(str(url).rstrip("/"), top)]
+    while stack:
+        d, p = stack.pop()
+        infos = fs.get_file_info(pafs.FileSelector(p))
+        subs = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+        files = sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+        yield d, subs, files
+        stack += [(join(d, s), posixpath.join(p, s)) for s in reversed(subs)]
+
+
+def rmtree(url: str) -> None:
+    """Delete a folder and everything below it (nothing when it is not there)."""
+    if is_local(url):
+        shutil.rmtree(local_path(url), ignore_errors=True)
+        return
+    fs, p = filesystem(url)
+    try:
+        fs.delete_dir(p)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if fs.get_file_info(p).type != pafs.FileType.NotFound:
+            raise
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy one file (a stream through this process: stores have no server-side copy here)."""
+    fs, p = filesystem(src)
+    fd, q = filesystem(dst)
+    fd.create_dir(posixpath.dirname(q), recursive=True)
+    with fs.open_input_stream(p) as i, fd.open_output_stream(q) as o:
+        while b := i.read(8 << 20):
+            o.write(b)
 
 
 def read_bytes(url: str) -> bytes | None:
