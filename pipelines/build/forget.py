@@ -42,8 +42,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import posixpath
 import re
-import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -70,8 +70,10 @@ _SWAP = re.compile(r"^(.+)\.forget-(new|old)-\d+$")
 def read_users(path: str, arrow_type: pa.DataType) -> pa.Array:
     """The distinct ids of ``path`` (one a line; blank and ``#`` lines skipped) as ``arrow_type``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        data = storage.read_bytes(path)
+        if data is None:
+            raise FileNotFoundError(2, "no such file")
+        lines = data.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"--users {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
                          "give a text file with one user id per line") from None
@@ -146,25 +148,26 @@ def vacuum_tables(spark, output: str) -> list[str]:
 # the shard sets
 # --------------------------------------------------------------------------
 def find_sets(root: str) -> list[str]:
-    """Every shard set (a folder with a manifest.json) at or below ``root``, after completing or
-    removing what a killed forget left (a swap between its two renames, half-built copies)."""
-    root = os.path.abspath(root)
-    if not os.path.isdir(root):
+    """Every shard set (a folder with a manifest.json) at or below ``root`` (a local path or a
+    URL), after completing or removing what a killed forget left (a swap between its two
+    renames, half-built copies)."""
+    root = storage.absolute(root)
+    if not storage.is_dir(root):
         raise InputError(f"--shards {root}: not a folder; give a shard set root or a folder of shard sets")
     out = []
-    for dirpath, dirs, files in os.walk(root):
+    for dirpath, dirs, files in storage.walk(root):
         for d in sorted(dirs):
             m = _SWAP.match(d)
             if m is None:
                 continue
             dirs.remove(d)
-            full, base = os.path.join(dirpath, d), os.path.join(dirpath, m.group(1))
-            if m.group(2) == "new" and not os.path.exists(base) and os.path.exists(os.path.join(full, mf.MANIFEST)):
-                os.rename(full, base)  # the swap's second rename
+            full, base = storage.join(dirpath, d), storage.join(dirpath, m.group(1))
+            if m.group(2) == "new" and not storage.exists(base) and storage.exists(storage.join(full, mf.MANIFEST)):
+                storage.rename(full, base)  # the swap's second rename
                 if m.group(1) not in dirs:
                     dirs.append(m.group(1))
             else:
-                shutil.rmtree(full)
+                storage.rmtree(full)
         if mf.MANIFEST in files:
             out.append(dirpath)
             dirs[:] = []
@@ -173,19 +176,33 @@ def find_sets(root: str) -> list[str]:
     return sorted(out)
 
 
+def _open(path: str):
+    fs, p = storage.filesystem(path)
+    return fs.open_input_file(p)
+
+
 def _hits(path: str, users: pa.Array) -> int:
-    col = pq.read_table(path, columns=["user"]).column("user")
+    with _open(path) as f:
+        col = pq.read_table(f, columns=["user"]).column("user")
     return int(pc.sum(pc.is_in(col, value_set=users.cast(col.type))).as_py() or 0)
 
 
-def _link_tree(src: str, dst: str) -> None:
-    """``dst`` as a copy of the set ``src`` whose files are hard links (no byte copied)."""
-    for dirpath, _, files in os.walk(src):
-        rel = os.path.relpath(dirpath, src)
-        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+def _link_tree(src: str, dst: str, skip: set[str]) -> None:
+    """``dst`` as a copy of the set ``src`` but for the files ``skip`` (paths relative to it):
+    local files are hard links (no byte copied); a store, which has no links, gets copies."""
+    local = storage.is_local(src)
+    top = storage.local_path(src) if local else str(src).rstrip("/")
+    for dirpath, _, files in storage.walk(src):
+        rel = dirpath[len(top):].lstrip("/")
+        if local:
+            os.makedirs(storage.join(dst, rel), exist_ok=True)
         for f in files:
-            if not f.startswith("."):
-                os.link(os.path.join(dirpath, f), os.path.join(dst, rel, f))
+            if f.startswith(".") or posixpath.join(rel, f) in skip:
+                continue
+            if local:
+                os.link(storage.join(dirpath, f), storage.join(dst, rel, f))
+            else:
+                storage.copy_file(storage.join(dirpath, f), storage.join(dst, rel, f))
 
 
 def _rebalance(m: dict) -> None:
@@ -209,62 +226,62 @@ def rewrite_set(root: str, users: pa.Array) -> dict | None:
     m = mf.load(root)
     staged = m.get("staged_node")
     shards = m["shards"] if staged is None else mf.node_shards(m, int(staged))
-    hit = [e for e in shards if _hits(os.path.join(root, e["path"]), users)]
+    hit = [e for e in shards if _hits(storage.join(root, e["path"]), users)]
     if not hit:
         return None
     new, old = f"{root}.forget-new-{os.getpid()}", f"{root}.forget-old-{os.getpid()}"
-    _link_tree(root, new)
+    _link_tree(root, new, {p for e in hit for p, _, _ in mf.shard_files(e)})
     removed = 0
     for e in hit:
-        pf = pq.ParquetFile(os.path.join(root, e["path"]))
-        w = preshard.rewriter(new, m, pf.schema_arrow, e["path"], int(e["node"]), int(e["rank"]))
-        for i in range(pf.num_row_groups):
-            t = pf.read_row_group(i)
-            kept = t.filter(pc.invert(pc.is_in(t.column("user"), value_set=users.cast(t.schema.field("user").type))))
-            removed += t.num_rows - kept.num_rows
-            if kept.num_rows:
-                w.add_row_group(kept)
+        with _open(storage.join(root, e["path"])) as f:
+            pf = pq.ParquetFile(f)
+            w = preshard.rewriter(new, m, pf.schema_arrow, e["path"], int(e["node"]), int(e["rank"]))
+            for i in range(pf.num_row_groups):
+                t = pf.read_row_group(i)
+                kept = t.filter(pc.invert(pc.is_in(t.column("user"),
+                                                   value_set=users.cast(t.schema.field("user").type))))
+                removed += t.num_rows - kept.num_rows
+                if kept.num_rows:
+                    w.add_row_group(kept)
         st = w.close()
         e.update({k: st[k] for k in S.MANIFEST_SHARD.names if k not in ("path", "node", "rank")})
     _rebalance(m)
     mf.write(new, m)
     for e in hit:
         mf.check_files(new, e)
-        mf.check_parquet(os.path.join(new, e["path"]), m, rows=e["rows"])
-    sha = mf.file_sha256(os.path.join(new, mf.MANIFEST))
-    marker = os.path.join(new, MARKER)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            rec = json.load(f)
+        mf.check_parquet(storage.join(new, e["path"]), m, rows=e["rows"])
+    sha = mf.file_sha256(storage.join(new, mf.MANIFEST))
+    marker = storage.join(new, MARKER)
+    data = storage.read_bytes(marker)
+    if data is not None:
+        rec = json.loads(data)
         if rec.get("shards"):
             rec["shards"].update(manifest_sha256=sha, rows=sum(int(e["rows"]) for e in m["shards"]))
         rec["forgotten_at"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         completion.write_json(marker, rec)  # a new file: the old set's marker (same inode until now) is kept
-    os.rename(root, old)
-    os.rename(new, root)
-    shutil.rmtree(old)
+    storage.rename(root, old)
+    storage.rename(new, root)
+    storage.rmtree(old)
     return {"root": root, "files_rewritten": len(hit), "rows_removed": removed, "manifest_sha256": sha}
 
 
 def sync_published(output: str, root: str) -> bool:
     """Give the build folder's record of the published set at ``root`` its marker's content (the
     marker is rewritten with the set; the record follows it). True when the record changed."""
-    marker = os.path.join(root, MARKER)
-    pub = os.path.join(os.path.abspath(output), "_userwise", "published")
-    if not (os.path.exists(marker) and os.path.isdir(pub)):
+    data = storage.read_bytes(storage.join(root, MARKER))
+    pub = storage.join(storage.absolute(output), "_userwise", "published")
+    if data is None:
         return False
-    with open(marker) as f:
-        rec = json.load(f)
+    rec = json.loads(data)
     changed = False
-    for dirpath, _, files in os.walk(pub):
+    for dirpath, _, files in storage.walk(pub):
         for n in files:
             if not n.endswith(".json"):
                 continue
-            p = os.path.join(dirpath, n)
-            with open(p) as f:
-                cur = json.load(f)
+            p = storage.join(dirpath, n)
+            cur = json.loads(storage.read_bytes(p) or b"{}")
             sh = cur.get("shards") or {}
-            if sh.get("root") and os.path.abspath(sh["root"]) == os.path.abspath(root) and cur != rec:
+            if sh.get("root") and storage.absolute(sh["root"]) == storage.absolute(root) and cur != rec:
                 completion.write_json(p, rec)
                 changed = True
     return changed
@@ -320,6 +337,6 @@ def cli(args) -> int:
     sets = [s for r in (args.shards or []) for s in find_sets(r)]
     spark = get_spark(master=args.master)
     rep = forget(spark, args.output, users, sets, args.vacuum,
-                 detail={"users": os.path.abspath(args.users)})
+                 detail={"users": storage.absolute(args.users)})
     print(json.dumps(rep, indent=1, sort_keys=True))
     return 0
