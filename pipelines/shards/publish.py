@@ -41,7 +41,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import shutil
 import sys
 
 import pyarrow.fs as pafs
@@ -156,12 +155,9 @@ def move_into_place(staging: str, final: str) -> str:
 
 
 def _rmtree(path: str) -> None:
-    if storage.is_local(path):
-        shutil.rmtree(storage.local_path(path), ignore_errors=True)
-        return
-    fs, p = storage.filesystem(path)
+    """Remove an old set after its swap; a failure leaves it for the next publish to remove."""
     try:
-        fs.delete_dir(p)
+        storage.rmtree(path)
     except (OSError, RuntimeError):
         pass
 
