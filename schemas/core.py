@@ -70,6 +70,11 @@ class TableSchema:
     fields: tuple[Field, ...]
     partition_by: tuple[str, ...] = ()
     doc: str = ""
+    order_by: tuple[str, ...] = ()
+    """Columns a write orders its rows by, range-partitioned into files: each file holds a
+    contiguous run of them, so the files' min/max statistics let readers and ``replaceWhere``
+    skip files (``delta_io.replace``), and the number of files follows the data, not the
+    number of distinct values."""
     version: int = FORMAT_VERSION
     metadata: dict = field(default_factory=dict, hash=False, compare=False)
     properties: dict = field(default_factory=dict, hash=False, compare=False)
@@ -80,9 +85,9 @@ class TableSchema:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise SchemaError(f"table {self.name!r}: duplicate columns {sorted(dup)}")
-        missing = [p for p in self.partition_by if p not in names]
+        missing = [p for p in self.partition_by + self.order_by if p not in names]
         if missing:
-            raise SchemaError(f"table {self.name!r}: partition columns {missing} are not fields")
+            raise SchemaError(f"table {self.name!r}: partition or order columns {missing} are not fields")
 
     @property
     def names(self) -> list[str]:

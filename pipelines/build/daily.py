@@ -142,7 +142,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     with progress.step("quarantine", [delta_io.table_path(output, "quarantine")]):
         delta_io.replace(q, delta_io.table_path(output, "quarantine"),
                          where + (" OR date IS NULL" if start is None else ""),
-                         partition_by=("date",), schema=S.QUARANTINE)
+                         schema=S.QUARANTINE)
     if share > cfg.max_quarantine_share:
         reqs.unpersist()
         df.unpersist()
@@ -152,11 +152,9 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
             f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
             "the limit")
     with progress.step("requests", [delta_io.table_path(output, "requests")]):
-        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, partition_by=("date",),
-                         schema=S.requests_schema(layout))
+        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, schema=S.requests_schema(layout))
     with progress.step("events", [delta_io.table_path(output, "events")]):
-        delta_io.replace(events, delta_io.table_path(output, "events"), where, partition_by=("date",),
-                         schema=S.events_schema(layout))
+        delta_io.replace(events, delta_io.table_path(output, "events"), where, schema=S.events_schema(layout))
     reqs.unpersist()
     df.unpersist()
     return Ingested(layout, counts)
@@ -188,7 +186,7 @@ def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: li
     path = delta_io.table_path(output, "samples")
     where = " OR ".join(f"(kind = '{k}' AND window_end = '{we.isoformat()}')" for k, we in keys)
     try:
-        delta_io.replace(df, path, where, partition_by=("kind", "window_end"), schema=S.samples_schema(layout))
+        delta_io.replace(df, path, where, schema=S.samples_schema(layout))
     finally:
         release()
     import pyarrow.compute as pc
@@ -252,8 +250,8 @@ def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, bounda
 
 
 def _first_day(output: str, boundary: dt.date) -> dt.date:
-    return min((d for d in delta_io.partition_dates(delta_io.table_path(output, "requests")) if d < boundary),
-               default=boundary)
+    first = delta_io.least(delta_io.table_path(output, "requests"))
+    return boundary if first is None else min(first, boundary)
 
 
 def log_set(out: dict, ws: dt.date | None) -> None:

@@ -70,21 +70,19 @@ def delete_small(path: str, predicate: str) -> None:
         RsTable(path).delete(predicate)
 
 
-def partition_dates(path: str, col: str = "date") -> list:
-    """The dates of a date-partitioned table's partitions that hold rows, from its log
-    (delta-rs, no Spark job). Files without row counts count as holding rows."""
+def least(path: str, col: str = "date"):
+    """The least value of ``col`` in a table's rows, from its log (delta-rs, no Spark job): the
+    files' partition values where the table is partitioned by ``col``, else their min
+    statistics; None when no file holds rows. Files without row counts count as holding rows."""
     import pyarrow as pa
     import pyarrow.compute as pc
     from deltalake import DeltaTable as RsTable
 
     acts = pa.table(RsTable(path).get_add_actions(flatten=True))
-    if not acts.num_rows:
-        return []
-    n = acts.column("num_records") if "num_records" in acts.column_names else None
-    dates = acts.column(f"partition.{col}")
-    if n is not None:
-        dates = dates.filter(pc.fill_null(pc.greater(n, 0), True))
-    return sorted({d for d in dates.to_pylist() if d is not None})
+    if "num_records" in acts.column_names:
+        acts = acts.filter(pc.fill_null(pc.greater(acts.column("num_records"), 0), True))
+    name = next((n for n in (f"partition.{col}", f"min.{col}") if n in acts.column_names), None)
+    return pc.min(acts.column(name)).as_py() if name and acts.num_rows else None
 
 
 def arrow_filesystem(path: str):
@@ -143,14 +141,24 @@ def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = ()
     contract of every table we write. Its columns carry their descriptions (the
     ``comment`` of each field, which replaceWhere and MERGE keep), and the table
     gets the schema's properties (``schema.properties``, then ``properties``).
+
+    The files' layout is the schema's too: its ``partition_by``, and its ``order_by``
+    (rows range-partitioned and sorted by it, so each file holds a contiguous run and
+    min/max statistics skip files; the number of files follows the data). A table that
+    exists keeps its own partitioning. ``partition_by`` is for writes without a schema.
     """
     spark = df.sparkSession
+    order_by: tuple[str, ...] = ()
     if schema is not None:
         from pyspark.sql import functions as F
 
+        partition_by, order_by = schema.partition_by, schema.order_by
         st = schema.to_spark()
         df = df.select([F.col(f.name).cast(f.dataType).alias(f.name, metadata=f.metadata) for f in st.fields])
         properties = {**schema.properties, **(properties or {})}
+    if order_by:
+        # by range, not by value: AQE merges small ranges, so a day is never a file of its own
+        df = df.repartitionByRange(*order_by).sortWithinPartitions(*order_by)
     w = df.write.format("delta").mode("overwrite").option("compression", CODEC)
     if partition_by:
         w = w.partitionBy(*partition_by)
