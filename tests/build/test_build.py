@@ -184,24 +184,65 @@ def _sparse_log(path, years: int):
     return str(path)
 
 
+def _files(out, table) -> int:
+    """Data files of a table's current version (from its log)."""
+    from deltalake import DeltaTable
+
+    return len(DeltaTable(delta_io.table_path(out, table)).file_uris())
+
+
 def test_years_of_log_build_in_the_same_number_of_jobs(spark, tmp_path, log):
     """Cost grows with the data, not with the number of days: 1 year and 3 years of log
-    with the same M run the same number of Spark jobs."""
+    with the same M run the same number of Spark jobs and write the same few files per
+    table (no partition per day); rerunning one day's requests job replaces exactly that
+    day's rows, and date filters skip the files that cannot hold the date."""
+    import pyarrow.dataset as pds
+
     cfg = C.parse({**log.config, "columns": {k: v for k, v in log.config["columns"].items() if k != "actions"}})
     sc = spark.sparkContext
-    jobs = {}
+    jobs, files = {}, {}
     for years in (1, 3):
         inp = _sparse_log(tmp_path / f"in{years}", years)
+        out = str(tmp_path / f"out{years}")
         group = f"years-{years}"
         sc.setJobGroup(group, group)
-        rep = B.build(spark, cfg, inp, str(tmp_path / f"out{years}"), "2026-01-10", 2, 1)
+        rep = B.build(spark, cfg, inp, out, "2026-01-10", 2, 1)
         assert rep["reconciled"] and rep["impressions_in_samples"] > 0
         jobs[years] = len(sc.statusTracker().getJobIdsForGroup(group))
+        files[years] = {t: _files(out, t) for t in ("requests", "events", "quarantine")}
     sc.setJobGroup("", "")
     # Three times the days, about the same jobs (a few more files to list is all), and far
     # fewer jobs than days.
     assert jobs[3] <= jobs[1] * 1.1, jobs
     assert jobs[1] < 365 / 2, jobs
+    # 41 and 122 days of data: at most one file per shuffle partition, whatever the days
+    cap = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    assert files[3] == files[1] and all(n <= cap for n in files[3].values()), files
+
+    out = str(tmp_path / "out3")
+    days = sorted(r["date"] for r in delta_io.read(spark, delta_io.table_path(out, "requests"))
+                  .select("date").distinct().collect())
+    assert len(days) > 100
+    day = days[len(days) // 2]
+
+    def rows(table):
+        df = delta_io.read(spark, delta_io.table_path(out, table))
+        key = [f.name for f in df.schema.fields if f.dataType.typeName() != "array"]
+        return df.toPandas().sort_values(key).reset_index(drop=True)
+
+    before = {t: rows(t) for t in ("requests", "events")}
+    daily.requests_day(spark, cfg, str(tmp_path / "in3"), out, day)
+    for t in ("requests", "events"):
+        after = rows(t)
+        for on_day in (True, False):
+            a, b = ((x[(x["date"] == day) == on_day]).reset_index(drop=True) for x in (before[t], after))
+            assert len(a) > 0, (t, on_day)
+            _same(a, b)
+        # the day's own file, and the run it was cut from rewritten without it; a filter on
+        # another date skips the day's file by its statistics
+        assert _files(out, t) <= files[3][t] + 1
+        ds = delta_io.dataset(delta_io.table_path(out, t))
+        assert len(list(ds.get_fragments(filter=pds.field("date") == days[0]))) < len(list(ds.get_fragments()))
 
 
 def test_synthetic_fat_log_report_storage_ratio_and_one_file_per_set(spark, tmp_path):
