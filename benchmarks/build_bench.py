@@ -1,46 +1,62 @@
-"""`userwise build` on a synthetic fat-row log against the I/O floor, side by side.
+"""`userwise build` against the I/O floor: the speed comparisons of issue #31, side by side.
 
-    .venv/bin/python benchmarks/build_bench.py                      # 200k, 400k, 800k impressions, L=50
-    .venv/bin/python benchmarks/build_bench.py --sizes 50000 --reps 1 --no-plot   # a quick check
-    .venv/bin/python benchmarks/build_bench.py --scale 5           # 1M, 2M, 4M (a bigger machine)
-    .venv/bin/python benchmarks/build_bench.py --days-compare      # one 60-day log, M=2/N=1 vs M=30/N=1 vs M=30/N=30
+    .venv/bin/python benchmarks/build_bench.py                     # every section, full sizes (long)
+    .venv/bin/python benchmarks/build_bench.py --quick             # every section at small sizes
+    .venv/bin/python benchmarks/build_bench.py --sections days     # one section (days, impression, skew, sparse)
+    .venv/bin/python benchmarks/build_bench.py --sections impression --kinds lean --sizes 1000000,2000000,4000000
 
-Per size (``--sizes`` x ``--scale`` impressions, ``--days`` UTC days, L =
-``--max-seq-len``), with one shared local SparkSession:
+One local SparkSession runs every section; a tiny warm-up build (lean and
+fat, not timed) runs first. Logs come from ``userwise synth`` (not timed); the
+lean input is the impression log with its action log (``--actions``), as the
+product reads it; fat rows carry their own snapshots. Each log has one bot
+user holding ``--bot-share`` of its impressions (synth's ``bot_factor`` set
+per log so that the bot keeps the same share at every size).
 
-1. ``userwise synth --kinds fat`` writes the fat-row log (not timed);
-2. the floor: ``spark.read`` the same log and write it back as Parquet;
-   two references, not targets: the floor plus one shuffle by user
-   (``shuffle_run``), and the least plan that writes the requests and samples
-   tables as Delta (``skeleton_run``: one shuffle, two aggregations, none of
-   the build's checks, stitching, pointers or chunks);
-3. the build: ``userwise.pipelines.build.range.build(spark, cfg, ...)`` in-process
-   (as-of = the day after the log, the last day an incremental window, the
-   days before it pretrain);
-   floor, references and build alternate, ``--reps`` times; the minimum of each is reported.
-   Target: build <= 2x floor, and seconds per impression flat over the sizes.
-4. bytes: the fat-row log rewritten in training order (rows shuffled, zstd
-   Parquet via pyarrow) vs the samples table's data files; decoded in memory:
-   the Arrow size (``Table.nbytes``) of the fat-row table vs the samples table.
+The **floor** is ``spark.read`` of the same input (for lean: the impressions
+and the action log) written back as Parquet. The **least plan**
+(``skeleton_run``, a reference, not a target) writes the requests and the
+per-user samples as Delta with one shuffle by user and none of the build's
+checks, streams, pointers, chunks, history or report.
 
-Profile: the build module's steps (ingest, pretrain samples, history seed,
-history update, window samples, report) are wrapped by name at run time (the
-build code is not changed) so each runs under its own Spark job group and is
-timed; with the UI on (default) the stage metrics of each step come from the
-UI's REST API: jobs, stages, tasks, executor run time, and the slowest stages
-with their call sites. A small warm-up build (not timed) runs first.
+Sections (``--sections``, default all four):
 
-Days (``--days-compare``, instead of the sizes): one synthetic log of
-``--days-span`` days (``--days-impressions``, lean with its action log and fat)
-built with M=2/N=1, M=30/N=1 and M=30/N=30, as-of the day after the log: wall
-time and Spark jobs (the build's job group, from the status tracker) side by
-side, as multiples of M=2/N=1; written to ``--days-json``
-(benchmarks/results/build_bench_days.json). Target: M=30/N=1 within 1.3x the
-wall time and 10% of the jobs of M=2/N=1.
+- **days**: one log of ``--days-span`` days built with M=2/N=1, M=30/N=1 and
+  M=30/N=30 (as-of the day after the log): wall time and Spark jobs (the
+  build's job group, from the status tracker) side by side, and the least
+  plan on the same log. Target: M=30/N=1 at most 1.3x the wall time of
+  M=2/N=1, job counts of the three within 10% of each other.
+- **impression**: per input kind (``--kinds``) a log of ``--days`` days at
+  each of ``--sizes`` impressions (``--fat-sizes`` for fat), built with
+  M = days - 1, N = 1; floor, least plan and build per size (the minimum of
+  ``--reps``). The least-squares slope of seconds over impressions gives µs
+  per impression for each, and core-µs per impression (the slope times the
+  local Spark's cores: one core's time, comparable to Spark's sort-merge
+  as-of join, about 5 µs per row on one core in apache/spark
+  ``sql/core/benchmarks/AsOfJoinBenchmark-results.txt``). Target: build slope
+  at most 4x the floor's, and build at most 4x the floor at the largest size.
+  Each build's steps (ingest, sample sets, history, report) are timed by
+  wrapping the names the build module calls (the build code is not changed),
+  each under its own job group; with the UI on, their jobs, stages and
+  slowest stages come from the UI's REST API. Bytes (fat, smallest size):
+  the fat rows in training order against the samples table, on disk and
+  decoded.
+- **skew**: the impression section's logs again without the bot
+  (``--skew-kinds``): the slopes with and without the bot side by side.
+  Target: the slope with the bot within ``--skew-tolerance`` of the slope
+  without it.
+- **sparse**: ``--sparse-impressions`` impressions from ``--sparse-users``
+  users spread over each of ``--sparse-spans`` days (the request rate per user
+  set to fit), built with ``--sparse-mn`` M,N: floor, least plan, build, and
+  the Parquet data files and date partitions in each table of the output.
+  Target: build at most 4x the floor at the longest span, and no table with
+  more than 2x the files of the shortest span (a file count that does not
+  grow with the days).
 
-Output: a table on stdout, ``--json`` (default benchmarks/results/build_bench.json) and
-``--plot`` (default benchmarks/results/build_bench.png). Keep sizes small on a shared
-machine; the ratios are what matters.
+Every section prints a verdict line (met / not met, with its numbers).
+Output: the tables on stdout, ``--json`` (benchmarks/results/build_bench.json;
+the sections run replace theirs, the others are kept) and ``--plot``
+(benchmarks/results/build_bench.png: time over impressions, the days bars and
+the sparse calendar). Keep to ``--quick`` on a shared machine while developing.
 """
 
 from __future__ import annotations
@@ -224,67 +240,143 @@ class Steps:
 # ---------------------------------------------------------------------------
 # The measured pieces
 # ---------------------------------------------------------------------------
-def make_log(out: str, impressions: int, days: int, L: int, seed: int, params=None) -> dict:
+def synth_params(impressions: int, days: int, bot_share: float, users: int | None = None):
+    """synth's parameters for a log whose bot holds ``bot_share`` of about ``impressions``; with
+    ``users``, the median request rate is set so those users make the rest (a sparse calendar)."""
+    from userwise.pipelines.tools import synth as Y
+
+    p = Y.SynthParams()
+    per_request = p.imps_min + p.imps_extra_mean  # synth's own estimate of a request's impressions
+    if users is not None:
+        per_user_day = Y.expected_impressions_per_user_day(p, days)  # linear in the median rate
+        median = p.requests_per_day_median * (1 - bot_share) * impressions / (users * days * per_user_day)
+        p = dataclasses.replace(p, requests_per_day_median=median)
+    bot = bot_share * impressions / (p.requests_per_day_median * days * per_request)
+    return dataclasses.replace(p, bot_factor=bot)
+
+
+def make_log(out: str, kind: str, impressions: int, days: int, L: int, seed: int, bot_share: float,
+             users: int | None = None, start: str = "2026-01-01") -> dict:
+    """A synth log of one kind (lean with its action log), not timed; returns synth's summary plus
+    ``input``, ``actions``, ``cfg_path``, ``impressions`` and the bot's measured rows."""
+    import pyarrow.compute as pc
+
+    from userwise.pipelines.build.inputs import arrow_dataset
     from userwise.pipelines.tools.synth import synth
 
-    return synth(out, days=days, impressions=impressions, max_seq_len=L, kinds=("fat",), seed=seed,
-                 params=params, log=io.StringIO())
+    params = synth_params(impressions, days, bot_share, users)
+    kinds = ("lean", "actions") if kind == "lean" else ("fat",)
+    s = synth(out, start=start, days=days, impressions=None if users else impressions, users=users or 200,
+              max_seq_len=L, kinds=kinds, seed=seed, params=params, log=io.StringIO())
+    s["input"] = os.path.join(out, kind)
+    s["actions"] = os.path.join(out, "actions") if kind == "lean" else None
+    s["cfg_path"] = os.path.join(out, "config.yaml" if kind == "lean" else "config_fat.yaml")
+    s["impressions"] = sum(s["rows"][kind].values())
+    uid = arrow_dataset(s["input"]).to_table(columns=["user_id"])["user_id"]
+    s["bot_rows"] = int(pc.sum(pc.equal(uid, s["bot_user_id"])).as_py() or 0)
+    return s
 
 
-def floor_run(spark, log_path: str, out: str, transform=lambda df: df) -> float:
+def floor_run(spark, paths: list[str], out: str, transform=lambda df: df) -> float:
+    """Read each input and write it back as Parquet (the I/O floor), timed together."""
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    transform(spark.read.option("basePath", log_path).parquet(log_path)).write.mode("overwrite").parquet(out)
+    for i, p in enumerate(paths):
+        transform(spark.read.option("basePath", p).parquet(p)).write.mode("overwrite").parquet(
+            os.path.join(out, str(i)))
     return time.perf_counter() - t
-
-
-def shuffle_run(spark, log_path: str, out: str, user_col: str, time_col: str) -> float:
-    """A reference, not a target: the floor plus one shuffle of the fat rows by user and a sort
-    within each partition (the least any build that groups a user's rows must do)."""
-    return floor_run(spark, log_path, out,
-                     lambda df: df.repartition(user_col).sortWithinPartitions(user_col, time_col))
 
 
 def skeleton_run(spark, cfg, log_path: str, out: str) -> float:
     """A reference, not a target: the least plan that writes the two tables every build has to
-    aggregate, as Delta, with one shuffle of the fat rows (by user; both aggregations reuse it).
-    ``requests``: a request's impressions collected and sorted, its first snapshot, a count;
-    ``samples``: a user's requests collected and sorted. None of the build's checks, quarantine,
-    stitching, pointers, chunks, history, windows or report: a build that does what the issue's
-    point 1 asks does all of this and that work besides (not a proof of a bound: the cheapest
-    plan for these two tables we know of)."""
+    aggregate, as Delta, with one shuffle of the rows (by user; both aggregations reuse it).
+    ``requests``: a request's impressions collected and sorted, its first snapshot (fat rows), a
+    count; ``samples``: a user's requests collected and sorted. None of the build's checks,
+    quarantine, action log, streams, pointers, chunks, history, windows or report: the cheapest
+    plan for these two tables we know of, not a proof of a bound."""
     from pyspark.sql import functions as F
 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
     user, req = cfg.col("user"), cfg.col("request")
     df = spark.read.option("basePath", log_path).parquet(log_path).repartition(user)
-    snap = list(cfg.sequence.values())
+    snap = list(cfg.sequence.values()) if cfg.fat else []
     imp = [c for c in df.columns if c not in snap and c not in (user, req)]
-    g = df.groupBy(user, req).agg(F.sort_array(F.collect_list(F.struct(*imp))).alias("imps"),
-                                  F.first(F.struct(*snap)).alias("snap"), F.count(F.lit(1)).alias("num_imps"))
-    g = g.cache()
+    aggs = [F.sort_array(F.collect_list(F.struct(*imp))).alias("imps"), F.count(F.lit(1)).alias("num_imps")]
+    if snap:
+        aggs.append(F.first(F.struct(*snap)).alias("snap"))
+    g = df.groupBy(user, req).agg(*aggs).cache()
     try:
         g.write.format("delta").save(os.path.join(out, "requests"))
-        s = g.groupBy(user).agg(F.sort_array(F.collect_list(F.struct(req, "imps", "snap"))).alias("requests"))
+        keep = [req, "imps", *(["snap"] if snap else [])]
+        s = g.groupBy(user).agg(F.sort_array(F.collect_list(F.struct(*keep))).alias("requests"))
         s.write.format("delta").save(os.path.join(out, "samples"))
     finally:
         g.unpersist()
     return time.perf_counter() - t
 
 
-def build_run(spark, cfg, log_path: str, out: str, as_of: str, days: int, steps: Steps | None) -> tuple[float, dict]:
+def build_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int, steps: Steps | None = None,
+              group: str | None = None) -> tuple[float, dict, int]:
+    """One range build, timed; returns (seconds, report, Spark jobs of ``group`` when given)."""
     from userwise.pipelines.build.range import build
 
     shutil.rmtree(out, ignore_errors=True)
+    sc = spark.sparkContext
     ctx = steps.installed() if steps else contextlib.nullcontext()
     with ctx:
+        if group:
+            sc.setJobGroup(group, group)
         t = time.perf_counter()
-        rep = build(spark, cfg, log_path, out, as_of, days - 1, 1)
+        try:
+            rep = build(spark, cfg, log["input"], out, as_of, m, n, log["actions"])
+        finally:
+            if group:
+                sc.setLocalProperty("spark.jobGroup.id", None)
         el = time.perf_counter() - t
     if not rep["reconciled"]:
-        raise SystemExit(f"build did not reconcile: {rep}")
-    return el, rep
+        raise SystemExit(f"build M={m} N={n} did not reconcile: {rep}")
+    jobs = len(sc.statusTracker().getJobIdsForGroup(group)) if group else 0
+    return el, rep, jobs
+
+
+def as_of_after(log: dict) -> str:
+    """The day after the log's last day."""
+    import datetime as dt
+
+    return (dt.date.fromisoformat(log["args"]["start"]) + dt.timedelta(days=log["args"]["days"])).isoformat()
+
+
+def table_files(out: str) -> dict:
+    """Per Delta table of a build folder: Parquet data files on disk (outside ``_delta_log``) and
+    date partition folders."""
+    res = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if not os.path.isdir(os.path.join(path, "_delta_log")):
+            continue
+        files = parts = 0
+        for root, dirs, fs in os.walk(path):
+            if "_delta_log" in root.split(os.sep):
+                continue
+            parts += sum(1 for d in dirs if d.startswith("date="))
+            files += sum(1 for f in fs if f.endswith(".parquet"))
+        res[name] = {"files": files, "date_partitions": parts}
+    return res
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float | None, float | None]:
+    """Least-squares slope and intercept of ys over xs (None with fewer than two sizes)."""
+    if len(set(xs)) < 2:
+        return None, None
+    a, b = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return float(a), float(b)
+
+
+def verdict(name: str, ok: bool, text: str) -> str:
+    line = f"VERDICT {name}: {'met' if ok else 'NOT met'}: {text}"
+    print(line, flush=True)
+    return line
 
 
 def dir_bytes(path: str) -> int:
@@ -326,6 +418,256 @@ def byte_report(log_path: str, build_out: str, workdir: str, seed: int) -> dict:
     return r
 
 
+
+# ---------------------------------------------------------------------------
+# The sections
+# ---------------------------------------------------------------------------
+DAY_RUNS = ((2, 1), (30, 1), (30, 30))
+AS_OF_JOIN_US = 5.3  # apache/spark AsOfJoinBenchmark-results.txt: sort-merge as-of join, 5,264.7 ns per row (10k x 10k rows, 100 groups)
+_groups = iter(range(1_000_000))
+
+
+def days_section(spark, work: str, args, kinds: list[str]) -> dict:
+    """One log of ``--days-span`` days per kind built with each (M, N) of DAY_RUNS: wall time and
+    Spark jobs side by side, and the floor and least plan on the same log."""
+    from userwise.pipelines import config as C
+
+    rows, refs, verdicts = [], {}, []
+    for kind in kinds:
+        log = make_log(os.path.join(work, f"days-{kind}"), kind, args.days_impressions, args.days_span,
+                       args.max_seq_len, args.seed, args.bot_share)
+        cfg = C.load(log["cfg_path"])
+        as_of = as_of_after(log)
+        out = os.path.join(work, f"days-{kind}-out")
+        # The first build over a folder pays for what Spark caches about it (more jobs, a few
+        # seconds); not measured, so the runs compare what M and N cost.
+        build_run(spark, cfg, log, out, as_of, *DAY_RUNS[0])
+        ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
+        refs[kind] = {"impressions": log["impressions"], "bot_rows": log["bot_rows"],
+                      "floor_s": round(floor_run(spark, ins, os.path.join(work, "floor")), 2),
+                      "skeleton_s": round(skeleton_run(spark, cfg, log["input"], os.path.join(work, "skel")), 2)}
+        for m, n in DAY_RUNS:
+            el, rep, jobs = build_run(spark, cfg, log, out, as_of, m, n, group=f"days-{next(_groups)}-{kind}-{m}-{n}")
+            row = {"kind": kind, "M": m, "N": n, "impressions": log["impressions"], "wall_s": round(el, 2),
+                   "jobs": jobs, "sets": len(rep["sets"]), "samples": rep["samples"], "bytes_out": rep["bytes_out"]}
+            rows.append(row)
+            print(f"  {kind} M={m:>2} N={n:>2}: {el:7.1f} s, {jobs:>4} Spark jobs, {row['sets']} sets, "
+                  f"{row['samples']:,} samples", flush=True)
+        shutil.rmtree(os.path.join(work, f"days-{kind}"), ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"\n{'kind':>5} {'M':>3} {'N':>3} {'sets':>5} {'wall s':>8} {'x first':>8} {'jobs':>5} {'x first':>8} "
+          f"{'samples':>9} {'bytes out':>11}")
+    for kind in kinds:
+        by = {(r["M"], r["N"]): r for r in rows if r["kind"] == kind}
+        first = by[DAY_RUNS[0]]
+        for r in by.values():
+            r["wall_vs_first"] = round(r["wall_s"] / first["wall_s"], 2)
+            r["jobs_vs_first"] = round(r["jobs"] / first["jobs"], 2)
+            print(f"{kind:>5} {r['M']:>3} {r['N']:>3} {r['sets']:>5} {r['wall_s']:>8.1f} {r['wall_vs_first']:>7.2f}x "
+                  f"{r['jobs']:>5} {r['jobs_vs_first']:>7.2f}x {r['samples']:>9,} {r['bytes_out']:>11,}")
+        ref = refs[kind]
+        print(f"{kind:>5} floor {ref['floor_s']:.1f} s, least plan {ref['skeleton_s']:.1f} s "
+              f"({ref['impressions']:,} impressions, bot {ref['bot_rows'] / ref['impressions']:.1%})")
+    print()
+    for kind in kinds:
+        by = {(r["M"], r["N"]): r for r in rows if r["kind"] == kind}
+        wall = by[(30, 1)]["wall_vs_first"]
+        jobs = [by[mn]["jobs"] for mn in DAY_RUNS]
+        spread = max(jobs) / min(jobs) - 1
+        ok = wall <= 1.3 and spread <= 0.10
+        verdicts.append(verdict(
+            f"days ({kind})", ok,
+            f"M=30/N=1 wall {by[(30, 1)]['wall_s']:.1f} s = {wall:.2f}x M=2/N=1 {by[(2, 1)]['wall_s']:.1f} s "
+            f"(target <= 1.3x); M=30/N=30 {by[(30, 30)]['wall_vs_first']:.2f}x; Spark jobs "
+            f"{'/'.join(map(str, jobs))} for M=2/N=1, M=30/N=1, M=30/N=30, spread {spread:.0%} (target <= 10%); "
+            f"least plan {refs[kind]['skeleton_s']:.1f} s, floor {refs[kind]['floor_s']:.1f} s"))
+    return {"runs": rows, "references": refs, "span_days": args.days_span, "verdicts": verdicts}
+
+
+def series(spark, work: str, args, kind: str, sizes: list[int], bot_share: float, label: str, ui: bool) -> dict:
+    """Floor, least plan and build of one kind at each size (M = days - 1, N = 1), and their slopes."""
+    from userwise.pipelines import config as C
+
+    rows = []
+    for i, n in enumerate(sizes):
+        d = os.path.join(work, f"{label.replace(' ', '-')}-n{n}")
+        log = make_log(os.path.join(d, "log"), kind, n, args.days, args.max_seq_len, args.seed, bot_share)
+        cfg = C.load(log["cfg_path"])
+        as_of = as_of_after(log)
+        ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
+        floors, skels, builds, steps = [], [], [], None
+        for k in range(args.reps):
+            floors.append(floor_run(spark, ins, os.path.join(d, "floor")))
+            skels.append(skeleton_run(spark, cfg, log["input"], os.path.join(d, "skeleton")))
+            st = Steps(spark, ui)
+            st.prefix = f"{label.replace(' ', '-')}-n{n}-r{k}-{next(_groups)}-"
+            el, rep, _ = build_run(spark, cfg, log, os.path.join(d, "build"), as_of, args.days - 1, 1, st)
+            builds.append(el)
+            st.collect()
+            if steps is None or el <= min(builds):
+                steps = st
+        m = log["impressions"]
+        row = {"impressions": m, "target": n, "users": log["users"], "bot_impressions": log["bot_rows"],
+               "actions": sum(log["rows"]["actions"].values()) if log["actions"] else 0,
+               "floor_s": round(min(floors), 2), "skeleton_s": round(min(skels), 2), "build_s": round(min(builds), 2),
+               "floor_all_s": [round(x, 2) for x in floors], "skeleton_all_s": [round(x, 2) for x in skels],
+               "build_all_s": [round(x, 2) for x in builds], "samples": rep["samples"], "requests": rep["requests"],
+               "steps": steps.summary()}
+        row["ratio"] = round(row["build_s"] / row["floor_s"], 2)
+        row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
+        if kind == "fat" and i == 0 and not args.no_bytes:
+            row["bytes"] = byte_report(log["input"], os.path.join(d, "build"), d, args.seed)
+        rows.append(row)
+        print(f"  {label} {m:>9,} impressions (bot {log['bot_rows'] / m:.1%}): floor {row['floor_s']:6.1f} s, "
+              f"least plan {row['skeleton_s']:6.1f} s ({row['skeleton_ratio']:.2f}x), build {row['build_s']:6.1f} s "
+              f"({row['ratio']:.2f}x floor)", flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    xs = [r["impressions"] for r in rows]
+    res = {"kind": kind, "label": label, "bot_share": bot_share, "days": args.days, "sizes": rows}
+    for key in ("build", "floor", "skeleton"):
+        a, b = fit(xs, [r[f"{key}_s"] for r in rows])
+        res[f"{key}_us_per_imp"] = round(a * 1e6, 3) if a is not None else None
+        res[f"{key}_intercept_s"] = round(b, 2) if b is not None else None
+        res[f"{key}_core_us_per_imp"] = round(a * 1e6 * args.cores, 3) if a is not None else None
+    fl = res["floor_us_per_imp"]
+    res["slope_ratio"] = round(res["build_us_per_imp"] / fl, 2) if fl else None
+    res["skeleton_slope_ratio"] = round(res["skeleton_us_per_imp"] / fl, 2) if fl else None
+    res["total_ratio"] = rows[-1]["ratio"]
+    res["skeleton_total_ratio"] = rows[-1]["skeleton_ratio"]
+    return res
+
+
+def print_series(ss: list[dict], cores: int) -> None:
+    print(f"\n{'series':>12} {'impressions':>12} {'bot':>6} {'floor s':>8} {'least s':>8} {'build s':>8} "
+          f"{'build/floor':>11} {'least/floor':>11}")
+    for s in ss:
+        for r in s["sizes"]:
+            print(f"{s['label']:>12} {r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>6.1%} "
+                  f"{r['floor_s']:>8.1f} {r['skeleton_s']:>8.1f} {r['build_s']:>8.1f} {r['ratio']:>10.2f}x "
+                  f"{r['skeleton_ratio']:>10.2f}x")
+    print(f"\nslopes (least squares over the sizes), µs per impression on {cores} cores, and core-µs "
+          f"(x {cores}; Spark's as-of join: about {AS_OF_JOIN_US:.0f} core-µs per row):")
+    print(f"{'series':>12} {'build':>8} {'floor':>8} {'least':>8} {'build/floor':>11} {'least/floor':>11} "
+          f"{'build core-µs':>13} {'floor core-µs':>13} {'fixed s':>8}")
+    for s in ss:
+        if s["build_us_per_imp"] is None:
+            continue
+        print(f"{s['label']:>12} {s['build_us_per_imp']:>8.2f} {s['floor_us_per_imp']:>8.2f} "
+              f"{s['skeleton_us_per_imp']:>8.2f} {s['slope_ratio']:>10.2f}x {s['skeleton_slope_ratio']:>10.2f}x "
+              f"{s['build_core_us_per_imp']:>13.2f} {s['floor_core_us_per_imp']:>13.2f} {s['build_intercept_s']:>8.1f}")
+    for s in ss:
+        last = s["sizes"][-1]
+        print(f"\nsteps of the {s['label']} build at {last['impressions']:,} impressions:")
+        print(f"{'step':>18} {'calls':>5} {'wall s':>7} {'share':>6} {'jobs':>5} {'stages':>6} {'tasks':>6} {'exec s':>7}")
+        for st in last["steps"]:
+            print(f"{st['step']:>18} {st['calls']:>5} {st['wall_s']:>7.1f} {st['wall_s'] / last['build_s']:>6.0%} "
+                  f"{st['jobs']:>5} {st['stages']:>6} {st['tasks']:>6} {st['executor_run_s']:>7.1f}")
+    for s in ss:
+        b = s["sizes"][0].get("bytes")
+        if b:
+            print(f"\nbytes ({s['label']}, {s['sizes'][0]['impressions']:,} impressions): on disk fat rows as written "
+                  f"{b['disk_fat_as_written']:,}, in training order {b['disk_fat_training_order']:,}, samples "
+                  f"{b['disk_samples']:,} -> {b['disk_ratio']}x; in memory fat rows {b['mem_fat']:,}, samples "
+                  f"{b['mem_samples']:,} -> {b['mem_ratio']}x")
+
+
+def impression_verdicts(ss: list[dict]) -> list[str]:
+    out = []
+    for s in ss:
+        if s["slope_ratio"] is None:
+            continue
+        ok = s["slope_ratio"] <= 4 and s["total_ratio"] <= 4
+        last = s["sizes"][-1]
+        out.append(verdict(
+            f"per impression ({s['label']})", ok,
+            f"slope build {s['build_us_per_imp']:.2f} / floor {s['floor_us_per_imp']:.2f} µs per impression = "
+            f"{s['slope_ratio']:.2f}x (target <= 4x); at {last['impressions']:,} impressions build "
+            f"{last['build_s']:.1f} s / floor {last['floor_s']:.1f} s = {s['total_ratio']:.2f}x (target <= 4x); "
+            f"build {s['build_core_us_per_imp']:.1f} core-µs per impression vs Spark's as-of join about "
+            f"{AS_OF_JOIN_US:.0f}; least plan slope {s['skeleton_slope_ratio']:.2f}x, total "
+            f"{s['skeleton_total_ratio']:.2f}x the floor"))
+    return out
+
+
+def skew_verdicts(pairs: list[tuple[dict, dict]], tol: float) -> list[str]:
+    out = []
+    print(f"\n{'kind':>5} {'bot share':>9} {'build µs/imp':>12} {'floor µs/imp':>12} {'build/floor':>11}")
+    for w, wo in pairs:
+        for s in (w, wo):
+            share = s["sizes"][-1]["bot_impressions"] / s["sizes"][-1]["impressions"]
+            print(f"{s['kind']:>5} {share:>9.1%} {s['build_us_per_imp']:>12.2f} {s['floor_us_per_imp']:>12.2f} "
+                  f"{s['slope_ratio']:>10.2f}x")
+    for w, wo in pairs:
+        r = w["build_us_per_imp"] / wo["build_us_per_imp"]
+        out.append(verdict(
+            f"skew ({w['kind']})", abs(r - 1) <= tol,
+            f"build slope with the bot ({w['sizes'][-1]['bot_impressions'] / w['sizes'][-1]['impressions']:.1%} of "
+            f"the log) {w['build_us_per_imp']:.2f} µs per impression, without {wo['build_us_per_imp']:.2f}: "
+            f"{r:.2f}x (target within {tol:.0%}); slope vs floor {w['slope_ratio']:.2f}x with, "
+            f"{wo['slope_ratio']:.2f}x without"))
+    return out
+
+
+def sparse_section(spark, work: str, args) -> dict:
+    """A log of ``--sparse-impressions`` over each span of days: floor, least plan, build and the
+    files in each table of the output."""
+    import datetime as dt
+
+    from userwise.pipelines import config as C
+
+    m, n = args.sparse_mn
+    rows = []
+    for span in args.sparse_spans:
+        d = os.path.join(work, f"sparse-{span}")
+        start = (dt.date(2026, 1, 1) - dt.timedelta(days=span)).isoformat()
+        log = make_log(os.path.join(d, "log"), args.sparse_kind, args.sparse_impressions, span, args.max_seq_len,
+                       args.seed, args.bot_share, users=args.sparse_users, start=start)
+        cfg = C.load(log["cfg_path"])
+        as_of = as_of_after(log)
+        ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
+        floors, skels, builds = [], [], []
+        out = os.path.join(d, "build")
+        for _ in range(args.reps):
+            floors.append(floor_run(spark, ins, os.path.join(d, "floor")))
+            skels.append(skeleton_run(spark, cfg, log["input"], os.path.join(d, "skeleton")))
+            el, rep, jobs = build_run(spark, cfg, log, out, as_of, m, n, group=f"sparse-{next(_groups)}-{span}")
+            builds.append(el)
+        dates = sum(1 for v in log["rows"][args.sparse_kind].values() if v)
+        row = {"span_days": span, "start": start, "dates_with_rows": dates, "impressions": log["impressions"],
+               "users": log["users"], "bot_impressions": log["bot_rows"], "M": m, "N": n,
+               "floor_s": round(min(floors), 2), "skeleton_s": round(min(skels), 2), "build_s": round(min(builds), 2),
+               "jobs": jobs, "tables": table_files(out),
+               "input_files": sum(len(fs) for p in ins for _, _, fs in os.walk(p))}
+        row["ratio"] = round(row["build_s"] / row["floor_s"], 2)
+        row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
+        rows.append(row)
+        print(f"  sparse {span:>5} days ({dates:,} with rows), {row['impressions']:,} impressions: floor "
+              f"{row['floor_s']:.1f} s, least plan {row['skeleton_s']:.1f} s, build {row['build_s']:.1f} s "
+              f"({row['ratio']:.2f}x floor, {jobs} Spark jobs); files "
+              + ", ".join(f"{t} {v['files']}" for t, v in row["tables"].items()), flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    tables = sorted({t for r in rows for t in r["tables"]})
+    print(f"\n{'days':>6} {'w/ rows':>7} {'input files':>11} {'build/floor':>11} "
+          + " ".join(f"{t[:12]:>12}" for t in tables) + "   (Parquet data files; date partitions)")
+    for r in rows:
+        print(f"{r['span_days']:>6} {r['dates_with_rows']:>7} {r['input_files']:>11} {r['ratio']:>10.2f}x "
+              + " ".join(f"{r['tables'].get(t, {}).get('files', 0):>5} ({r['tables'].get(t, {}).get('date_partitions', 0):>4})"
+                         for t in tables))
+    first, last = rows[0], rows[-1]
+    grow = {t: (last["tables"].get(t, {}).get("files", 0), first["tables"].get(t, {}).get("files", 0)) for t in tables}
+    worst = max(tables, key=lambda t: grow[t][0] / max(grow[t][1], 1))
+    files_ok = all(a <= 2 * max(b, 1) for a, b in grow.values())
+    ok = last["ratio"] <= 4 and files_ok
+    v = verdict(
+        "sparse calendar", ok,
+        f"{last['impressions']:,} impressions over {last['span_days']:,} days: build {last['build_s']:.1f} s / floor "
+        f"{last['floor_s']:.1f} s = {last['ratio']:.2f}x (target <= 4x; least plan {last['skeleton_ratio']:.2f}x); "
+        f"files per table at {last['span_days']:,} vs {first['span_days']:,} days: "
+        + ", ".join(f"{t} {a} vs {b}" for t, (a, b) in grow.items())
+        + f" (target: at most 2x; most: {worst})")
+    return {"runs": rows, "M": m, "N": n, "verdicts": [v]}
+
+
 # ---------------------------------------------------------------------------
 def plot(res: dict, path: str) -> None:
     import matplotlib
@@ -333,144 +675,144 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["impressions"] for r in res["sizes"]]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot(sizes, [r["build_s"] for r in res["sizes"]], "o-", label="build")
-    a1.plot(sizes, [r["floor_s"] for r in res["sizes"]], "s-", label="floor (read + write Parquet)")
-    if all("shuffle_s" in r for r in res["sizes"]):
-        a1.plot(sizes, [r["shuffle_s"] for r in res["sizes"]], "^-", label="floor + one shuffle by user")
-    if all("skeleton_s" in r for r in res["sizes"]):
-        a1.plot(sizes, [r["skeleton_s"] for r in res["sizes"]], "v-",
-                label="least plan: requests + samples as Delta")
-    a1.plot(sizes, [2 * r["floor_s"] for r in res["sizes"]], ":", color="gray", label="target: 2x floor")
-    a1.set_xlabel("impressions (fat rows)")
+    sec = res.get("sections", {})
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8))
+    ss = [s for k in ("series", "with_bot", "without_bot") for s in sec.get("impression", {}).get(k, [])
+          + sec.get("skew", {}).get(k, [])]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(ss):
+        xs = [r["impressions"] / 1e6 for r in s["sizes"]]
+        c = colors[i % len(colors)]
+        slope = f" ({s['build_us_per_imp']:.1f} µs/imp)" if s["build_us_per_imp"] is not None else ""
+        a1.plot(xs, [r["build_s"] for r in s["sizes"]], "o-", color=c, label=f"{s['label']} build{slope}")
+        fslope = f" ({s['floor_us_per_imp']:.1f} µs/imp)" if s["floor_us_per_imp"] is not None else ""
+        a1.plot(xs, [r["floor_s"] for r in s["sizes"]], "s--", color=c, alpha=0.6, label=f"{s['label']} floor{fslope}")
+    a1.set_xlabel("impressions (millions)")
     a1.set_ylabel("seconds")
-    a1.set_yscale("log")
-    a1.set_title(f"build vs I/O floor, L={res['args']['max_seq_len']}, local[2]")
-    a1.legend()
-    b = res["sizes"][-1]["bytes"]
-    labels = ["disk", "in memory (Arrow)"]
-    fat = [b["disk_fat_training_order"] / 2**20, b["mem_fat"] / 2**20]
-    uw = [b["disk_samples"] / 2**20, b["mem_samples"] / 2**20]
-    x = np.arange(2)
-    a2.bar(x - 0.2, fat, 0.4, label="fat rows (training order)")
-    a2.bar(x + 0.2, uw, 0.4, label="user-wise samples")
-    for i in range(2):
-        a2.text(x[i] - 0.2, fat[i], f"{fat[i]:.1f}", ha="center", va="bottom")
-        a2.text(x[i] + 0.2, uw[i], f"{uw[i]:.1f}", ha="center", va="bottom")
-    a2.set_xticks(x, labels)
-    a2.set_ylabel("MiB")
-    a2.set_title(f"bytes at {res['sizes'][-1]['impressions']:,} impressions")
-    a2.legend()
+    a1.set_title(f"per impression: build vs floor, {res.get('cores', '?')} cores")
+    a1.legend(fontsize=7)
+    runs = sec.get("days", {}).get("runs", [])
+    kinds = list(dict.fromkeys(r["kind"] for r in runs))
+    w = 0.8 / max(len(DAY_RUNS), 1)
+    for j, mn in enumerate(DAY_RUNS):
+        vals = [next((r for r in runs if r["kind"] == k and (r["M"], r["N"]) == mn), None) for k in kinds]
+        xs = np.arange(len(kinds)) + (j - 1) * w
+        a2.bar(xs, [v["wall_s"] if v else 0 for v in vals], w, label=f"M={mn[0]}, N={mn[1]}")
+        for x, v in zip(xs, vals):
+            if v:
+                a2.text(x, v["wall_s"], f"{v['jobs']} jobs", ha="center", va="bottom", fontsize=7)
+    a2.set_xticks(np.arange(len(kinds)), kinds)
+    a2.set_ylabel("seconds")
+    a2.set_title(f"days: one {sec.get('days', {}).get('span_days', '?')}-day log (Spark jobs on the bars)")
+    a2.legend(fontsize=8, loc="lower right")
+    sp = sec.get("sparse", {}).get("runs", [])
+    tables = sorted({t for r in sp for t in r["tables"]})
+    w = 0.8 / max(len(sp), 1)
+    for j, r in enumerate(sp):
+        xs = np.arange(len(tables)) + (j - (len(sp) - 1) / 2) * w
+        a3.bar(xs, [r["tables"].get(t, {}).get("files", 0) for t in tables], w,
+               label=f"{r['span_days']:,} days: build {r['ratio']:.1f}x floor")
+    a3.set_xticks(np.arange(len(tables)), tables, rotation=20, fontsize=8)
+    counts = [v["files"] for r in sp for v in r["tables"].values() if v["files"]]
+    if counts and max(counts) > 50 * min(counts):
+        a3.set_yscale("log")
+    a3.set_ylabel("Parquet data files")
+    n = sp[-1]["impressions"] if sp else 0
+    a3.set_title(f"sparse calendar: {n:,} impressions, files per table")
+    a3.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
-DAY_RUNS = ((2, 1), (30, 1), (30, 30))
+SECTIONS = ("days", "impression", "skew", "sparse")
 
 
-def days_compare(spark, work: str, impressions: int, span: int, L: int, seed: int, kinds: list[str],
-                 runs=DAY_RUNS, bot_factor: float | None = None, prime: bool = True) -> list[dict]:
-    """One synthetic log of ``span`` days built with each (M, N) of ``runs``: wall time and
-    Spark jobs (the job group's ids from the status tracker) side by side, per input kind.
-    As-of is the day after the log, so every run reads the same rows."""
-    import datetime as dt
-
+def warm_up(spark, work: str, args, kinds: list[str]) -> None:
+    """JVM, Delta and codegen warm-up on a tiny log of each kind: not timed."""
     from userwise.pipelines import config as C
-    from userwise.pipelines.build.range import build
-    from userwise.pipelines.tools.synth import SynthParams, synth
 
-    log_dir = os.path.join(work, "days-log")
-    params = dataclasses.replace(SynthParams(), bot_factor=bot_factor) if bot_factor else None
-    want = tuple(dict.fromkeys([*kinds, *(["actions"] if "lean" in kinds else [])]))
-    s = synth(log_dir, days=span, impressions=impressions, max_seq_len=L, kinds=want, seed=seed,
-              params=params, log=io.StringIO())
-    as_of = (dt.date.fromisoformat(s["args"]["start"]) + dt.timedelta(days=span)).isoformat()
-    sc = spark.sparkContext
-    rows = []
+    t = time.perf_counter()
     for kind in kinds:
-        cfg = C.load(os.path.join(log_dir, "config.yaml" if kind == "lean" else "config_fat.yaml"))
-        actions = os.path.join(log_dir, "actions") if kind == "lean" else None
-        n_in = sum(s["rows"][kind].values())
-        if prime:
-            # The first build over a folder pays for what Spark caches about it (about 70 more
-            # Spark jobs here on a 60-day log, a few seconds); not measured, so the runs
-            # compare what M and N cost.
-            out = os.path.join(work, f"days-{kind}-prime")
-            build(spark, cfg, os.path.join(log_dir, kind), out, as_of, *runs[0], actions)
-            shutil.rmtree(out, ignore_errors=True)
-        for m, n in runs:
-            group = f"days-{kind}-{m}-{n}"
-            out = os.path.join(work, f"days-{kind}-{m}-{n}")
-            shutil.rmtree(out, ignore_errors=True)
-            sc.setJobGroup(group, group)
-            t = time.perf_counter()
-            try:
-                rep = build(spark, cfg, os.path.join(log_dir, kind), out, as_of, m, n, actions)
-            finally:
-                sc.setLocalProperty("spark.jobGroup.id", None)
-            wall = time.perf_counter() - t
-            if not rep["reconciled"]:
-                raise SystemExit(f"build M={m} N={n} did not reconcile: {rep}")
-            row = {"kind": kind, "M": m, "N": n, "impressions": n_in, "wall_s": round(wall, 2),
-                   "jobs": len(sc.statusTracker().getJobIdsForGroup(group)), "sets": len(rep["sets"]),
-                   "samples": rep["samples"], "bytes_out": rep["bytes_out"]}
-            rows.append(row)
-            print(f"  {kind} M={m:>2} N={n:>2}: {wall:7.1f} s, {row['jobs']:>4} Spark jobs, "
-                  f"{row['sets']} sets, {row['samples']:,} samples", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
-    for kind in kinds:
-        by = {(r["M"], r["N"]): r for r in rows if r["kind"] == kind}
-        ref = by.get(runs[0])
-        for r in by.values():
-            r["wall_vs_first"] = round(r["wall_s"] / ref["wall_s"], 2)
-            r["jobs_vs_first"] = round(r["jobs"] / ref["jobs"], 2)
-    print(f"\n{'kind':>5} {'M':>3} {'N':>3} {'sets':>5} {'wall s':>8} {'x first':>8} {'jobs':>5} {'x first':>8} "
-          f"{'samples':>9} {'bytes out':>11}")
-    for r in rows:
-        print(f"{r['kind']:>5} {r['M']:>3} {r['N']:>3} {r['sets']:>5} {r['wall_s']:>8.1f} {r['wall_vs_first']:>7.2f}x "
-              f"{r['jobs']:>5} {r['jobs_vs_first']:>7.2f}x {r['samples']:>9,} {r['bytes_out']:>11,}")
-    return rows
+        log = make_log(os.path.join(work, "warm", kind), kind, 2000, 3, args.max_seq_len, args.seed, args.bot_share)
+        cfg = C.load(log["cfg_path"])
+        floor_run(spark, [log["input"]], os.path.join(work, "warm", "floor"))
+        skeleton_run(spark, cfg, log["input"], os.path.join(work, "warm", "skel"))
+        build_run(spark, cfg, log, os.path.join(work, "warm", "build"), as_of_after(log), 2, 1)
+    shutil.rmtree(os.path.join(work, "warm"), ignore_errors=True)
+    print(f"warm-up (not counted): {time.perf_counter() - t:.1f} s", flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="200000,400000,800000", help="comma list of target impressions")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every size (bigger machines)")
-    p.add_argument("--days", type=int, default=2, help="UTC days of log: the last one is an incremental window")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--days-compare", action="store_true", help="the days section only (--sections days)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes everywhere (development); results to /tmp unless --json/--plot are given")
+    p.add_argument("--kinds", default="lean,fat", help="input kinds of the impression section")
+    p.add_argument("--sizes", default="1000000,2000000,4000000", help="lean sizes: comma list of impressions")
+    p.add_argument("--fat-sizes", default=None, help="fat sizes (default: --sizes)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every size")
+    p.add_argument("--days", type=int, default=7, help="UTC days of the impression logs (M = days - 1, N = 1)")
+    p.add_argument("--bot-share", type=float, default=0.05, help="the bot's share of every log's impressions")
+    p.add_argument("--skew-kinds", default="lean", help="kinds measured again without the bot")
+    p.add_argument("--skew-tolerance", type=float, default=0.2,
+                   help="the largest change of the build's slope with the bot that counts as none")
+    p.add_argument("--days-span", type=int, default=60)
+    p.add_argument("--days-impressions", type=int, default=200000)
+    p.add_argument("--days-kinds", default="lean,fat", help="comma list of lean, fat")
+    p.add_argument("--sparse-impressions", type=int, default=100000)
+    p.add_argument("--sparse-spans", default="365,3650", help="comma list of days; the last is judged")
+    p.add_argument("--sparse-users", type=int, default=1000)
+    p.add_argument("--sparse-kind", default="lean", choices=("lean", "fat"))
+    p.add_argument("--sparse-mn", default="2,1", help="M,N of the sparse builds")
     p.add_argument("--max-seq-len", type=int, default=50)
-    p.add_argument("--reps", type=int, default=1, help="floor/build pairs per size (the minimum is reported)")
+    p.add_argument("--reps", type=int, default=1, help="runs of each per size (the minimum is reported)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bot-factor", type=float, default=None,
-                   help="the bot's rate as a multiple of the median user (default: synth's, 300)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--no-ui", action="store_true", help="no Spark UI: no per-step stage metrics")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-bytes", action="store_true", help="skip the fat-row vs samples bytes")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Spark conf for the session (experiments, e.g. "
-                        "spark.databricks.delta.snapshotPartitions=2)")
-    p.add_argument("--json", default=os.path.join(RESULTS, "build_bench.json"))
-    p.add_argument("--plot", default=os.path.join(RESULTS, "build_bench.png"))
+                   help="extra Spark conf for the session (experiments)")
+    p.add_argument("--json", default=None, help="default benchmarks/results/build_bench.json")
+    p.add_argument("--plot", default=None, help="default benchmarks/results/build_bench.png")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--days-compare", action="store_true",
-                   help="instead of the sizes: one log of --days-span days built with M=2/N=1, M=30/N=1 "
-                        "and M=30/N=30, wall time and Spark jobs side by side")
-    p.add_argument("--days-span", type=int, default=60)
-    p.add_argument("--days-impressions", type=int, default=200000)
-    p.add_argument("--days-kinds", default="lean,fat", help="comma list of lean, fat")
-    p.add_argument("--days-json", default=os.path.join(RESULTS, "build_bench_days.json"))
     args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.fat_sizes = "20000,40000,80000", args.fat_sizes or "20000,40000,80000"
+        args.days_impressions, args.sparse_impressions, args.sparse_spans = 20000, 5000, "100,1000"
+        args.sparse_users = min(args.sparse_users, 100)
+        tmp = tempfile.gettempdir()
+        args.json = args.json or os.path.join(tmp, "build_bench_quick.json")
+        args.plot = args.plot or os.path.join(tmp, "build_bench_quick.png")
+    args.json = args.json or os.path.join(RESULTS, "build_bench.json")
+    args.plot = args.plot or os.path.join(RESULTS, "build_bench.png")
+    sections = ["days"] if args.days_compare else [s for s in args.sections.split(",") if s]
+
+    def kinds_of(flag: str, value: str) -> list[str]:
+        ks = [k for k in value.split(",") if k]
+        if not ks or set(ks) - {"lean", "fat"}:
+            raise SystemExit(f"{flag} {value}: use a comma list of lean, fat")
+        return ks
+
+    if set(sections) - set(SECTIONS) or not sections:
+        raise SystemExit(f"--sections {args.sections}: use a comma list of {', '.join(SECTIONS)}")
+    kinds, skew_kinds, days_kinds = (kinds_of("--kinds", args.kinds), kinds_of("--skew-kinds", args.skew_kinds),
+                                     kinds_of("--days-kinds", args.days_kinds))
     if args.days < 2:
         raise SystemExit("--days must be at least 2 (pretrain days + one incremental window)")
-    sizes = [int(int(s) * args.scale) for s in args.sizes.split(",")]
+    if args.days_span < 31:
+        raise SystemExit("--days-span must be at least 31 (M = 30 days plus pretrain)")
+    if not 0 <= args.bot_share < 0.5:
+        raise SystemExit(f"--bot-share {args.bot_share}: use a share in [0, 0.5)")
+    sizes = {"lean": [int(int(s) * args.scale) for s in args.sizes.split(",")],
+             "fat": [int(int(s) * args.scale) for s in (args.fat_sizes or args.sizes).split(",")]}
+    args.sparse_spans = [int(s) for s in args.sparse_spans.split(",")]
+    args.sparse_mn = tuple(int(s) for s in args.sparse_mn.split(","))
 
-    import datetime as dt
-
-    from userwise.pipelines import config as C
     from userwise.pipelines.runtime.spark import get_spark
-    from userwise.pipelines.tools.synth import SynthParams
 
     work = args.workdir or tempfile.mkdtemp(prefix="build-bench-")
     os.makedirs(work, exist_ok=True)
@@ -478,129 +820,94 @@ def main(argv=None) -> int:
     conf = {"spark.ui.retainedJobs": "20000", "spark.ui.retainedStages": "50000"}
     conf.update(kv.split("=", 1) for kv in args.conf)
     spark = get_spark(ui=ui, conf=conf)
-    as_of = (dt.date(2026, 1, 1) + dt.timedelta(days=args.days)).isoformat()
-    print(f"build bench: sizes {sizes}, {args.days} days, L={args.max_seq_len}, "
-          f"master {spark.sparkContext.master}, workdir {work}", flush=True)
+    args.cores = spark.sparkContext.defaultParallelism if spark.sparkContext.master.startswith("local[") else os.cpu_count()
+    master = spark.sparkContext.master
+    if master.startswith("local[") and master[6:-1].isdigit():
+        args.cores = int(master[6:-1])
+    print(f"build bench: sections {', '.join(sections)}, master {master} ({args.cores} cores), workdir {work}",
+          flush=True)
+    res = {}
+    if os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        res = old if "sections" in old else {}
+    res.setdefault("sections", {})
+    import subprocess
 
-    if args.days_compare:
-        if args.days_span < 31:
-            raise SystemExit("--days-span must be at least 31 (M = 30 days plus pretrain)")
-        kinds = [k for k in args.days_kinds.split(",") if k]
-        if not kinds or set(kinds) - {"lean", "fat"}:
-            raise SystemExit(f"--days-kinds {args.days_kinds}: use a comma list of lean, fat")
-        if not args.no_warmup:
-            t = time.perf_counter()
-            days_compare(spark, os.path.join(work, "warm"), 2000, 31, args.max_seq_len, args.seed, kinds,
-                         runs=((2, 1),), bot_factor=5.0, prime=False)
-            print(f"warm-up (not counted): {time.perf_counter() - t:.1f} s", flush=True)
-        print(f"days: {args.days_impressions:,} impressions over {args.days_span} days", flush=True)
-        rows = days_compare(spark, work, args.days_impressions, args.days_span, args.max_seq_len, args.seed, kinds,
-                            bot_factor=args.bot_factor)
-        res = {"args": vars(args), "days": rows, "master": spark.sparkContext.master, "cpus": os.cpu_count(),
-               "load_avg": os.getloadavg()}
-        os.makedirs(os.path.dirname(os.path.abspath(args.days_json)), exist_ok=True)
-        with open(args.days_json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        print(f"\nwrote {args.days_json}")
-        if not args.keep and not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
-        return 0
+    import userwise.pipelines as P
+
+    code = os.path.dirname(os.path.realpath(P.__file__))
+    head = subprocess.run(["git", "-C", code, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", code, "status", "--porcelain", "--", "."], capture_output=True,
+                           text=True).stdout.strip()
+    stamp_file = os.path.join(os.path.dirname(code), "COMMIT")  # a snapshot made with `git archive`
+    if not head and os.path.exists(stamp_file):
+        with open(stamp_file) as f:
+            head = f"{f.read().strip()} (snapshot)"
+    res.update({"master": master, "cores": args.cores, "cpus": os.cpu_count(),
+                "code": {"path": code, "commit": head or None, "uncommitted_changes": bool(dirty)}})
+
+    def stamp(d: dict) -> dict:
+        d.update({"args": {k: v for k, v in vars(args).items()}, "load_avg": os.getloadavg(),
+                  "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+        return d
 
     if not args.no_warmup:
-        # JVM, Delta and codegen warm-up on a tiny log (bot at 5x the median instead of 300x): not timed.
-        wlog = os.path.join(work, "warm", "log")
-        make_log(wlog, 2000, args.days, args.max_seq_len, args.seed,
-                 params=dataclasses.replace(SynthParams(), bot_factor=5.0))
-        cfg = C.load(os.path.join(wlog, "config_fat.yaml"))
-        floor_run(spark, os.path.join(wlog, "fat"), os.path.join(work, "warm", "floor"))
-        t = time.perf_counter()
-        build_run(spark, cfg, os.path.join(wlog, "fat"), os.path.join(work, "warm", "build"), as_of, args.days, None)
-        print(f"warm-up build (not counted): {time.perf_counter() - t:.1f} s", flush=True)
-        shutil.rmtree(os.path.join(work, "warm"), ignore_errors=True)
+        used = ((kinds if "impression" in sections else []) + (skew_kinds if "skew" in sections else [])
+                + (days_kinds if "days" in sections else []) + ([args.sparse_kind] if "sparse" in sections else []))
+        warm_up(spark, work, args, [k for k in ("lean", "fat") if k in used])
+    with_bot: dict[str, dict] = {}
 
-    rows = []
-    for n in sizes:
-        d = os.path.join(work, f"n{n}")
-        params = dataclasses.replace(SynthParams(), bot_factor=args.bot_factor) if args.bot_factor else None
-        s = make_log(os.path.join(d, "log"), n, args.days, args.max_seq_len, args.seed, params=params)
-        log_path = os.path.join(d, "log", "fat")
-        cfg = C.load(os.path.join(d, "log", "config_fat.yaml"))
-        rows_in = sum(s["rows"]["fat"].values())
-        floors, shuffles, skeletons, builds, steps, rep = [], [], [], [], None, None
-        for k in range(args.reps):
-            floors.append(floor_run(spark, log_path, os.path.join(d, "floor")))
-            shuffles.append(shuffle_run(spark, log_path, os.path.join(d, "shuffle"), cfg.col("user"),
-                                        cfg.col("request_time")))
-            skeletons.append(skeleton_run(spark, cfg, log_path, os.path.join(d, "skeleton")))
-            st = Steps(spark, ui)
-            st.prefix = f"n{n}-r{k}-"
-            el, rep = build_run(spark, cfg, log_path, os.path.join(d, "build"), as_of, args.days, st)
-            builds.append(el)
-            st.collect()
-            if steps is None or el <= min(builds):
-                steps = st
-        b = byte_report(log_path, os.path.join(d, "build"), d, args.seed)
-        row = {
-            "impressions": rows_in, "target": n, "users": s["users"],
-            "bot_impressions": None, "floor_s": round(min(floors), 2), "build_s": round(min(builds), 2),
-            "floor_all_s": [round(x, 2) for x in floors], "build_all_s": [round(x, 2) for x in builds],
-            "shuffle_s": round(min(shuffles), 2), "shuffle_all_s": [round(x, 2) for x in shuffles],
-            "skeleton_s": round(min(skeletons), 2), "skeleton_all_s": [round(x, 2) for x in skeletons],
-            "samples": rep["samples"], "requests": rep["requests"], "steps": steps.summary(), "bytes": b,
-        }
-        import pyarrow.compute as pc
+    def run_days():
+        print(f"\n== days: {args.days_impressions:,} impressions over {args.days_span} days", flush=True)
+        return days_section(spark, work, args, days_kinds)
 
-        from userwise.pipelines.build.inputs import arrow_dataset
+    def run_impression():
+        print(f"\n== per impression: {args.days} days, bot {args.bot_share:.0%}", flush=True)
+        ss = [series(spark, work, args, k, sizes[k], args.bot_share, k, ui) for k in kinds]
+        print_series(ss, args.cores)
+        with_bot.update({s["kind"]: s for s in ss})
+        return {"series": ss, "verdicts": impression_verdicts(ss), "as_of_join_core_us_per_row": AS_OF_JOIN_US}
 
-        uid = arrow_dataset(log_path).to_table(columns=["user_id"])["user_id"]
-        row["bot_impressions"] = int(pc.sum(pc.equal(uid, s["bot_user_id"])).as_py())
-        row["ratio"] = round(row["build_s"] / row["floor_s"], 1)
-        row["build_us_per_imp"] = round(row["build_s"] / rows_in * 1e6, 1)
-        row["floor_us_per_imp"] = round(row["floor_s"] / rows_in * 1e6, 1)
-        rows.append(row)
-        row["shuffle_ratio"] = round(row["shuffle_s"] / row["floor_s"], 2)
-        row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
-        print(f"  {rows_in:>9,} impressions: floor {row['floor_s']:7.1f} s, one shuffle {row['shuffle_s']:7.1f} s, "
-              f"least plan {row['skeleton_s']:7.1f} s ({row['skeleton_ratio']:.2f}x), "
-              f"build {row['build_s']:7.1f} s, build/floor {row['ratio']:.1f}x", flush=True)
-        if not args.keep:
-            shutil.rmtree(d, ignore_errors=True)
+    def run_skew():
+        print(f"\n== skew: {', '.join(skew_kinds)} with and without the bot", flush=True)
+        pairs = []
+        for k in skew_kinds:
+            w = with_bot.get(k) or series(spark, work, args, k, sizes[k], args.bot_share, k, ui)
+            pairs.append((w, series(spark, work, args, k, sizes[k], 0.0, f"{k} no bot", ui)))
+        print_series([s for pair in pairs for s in pair], args.cores)
+        return {"with_bot": [w for w, _ in pairs if w is not with_bot.get(w["kind"])],
+                "without_bot": [wo for _, wo in pairs], "verdicts": skew_verdicts(pairs, args.skew_tolerance)}
 
-    res = {"args": vars(args), "sizes": rows, "master": spark.sparkContext.master,
-           "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
-    base = rows[0]["build_us_per_imp"]
-    for r in rows:
-        r["per_imp_vs_smallest"] = round(r["build_us_per_imp"] / base, 2)
-    print()
-    print(f"{'impressions':>12} {'bot share':>9} {'floor s':>8} {'least plan s':>12} {'build s':>8} "
-          f"{'build/floor':>11} {'us/imp build':>12} {'vs smallest':>11} {'us/imp floor':>12}")
-    for r in rows:
-        print(f"{r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>9.1%} {r['floor_s']:>8.1f} "
-              f"{r['skeleton_s']:>12.1f} {r['build_s']:>8.1f} {r['ratio']:>10.1f}x {r['build_us_per_imp']:>12.1f} "
-              f"{r['per_imp_vs_smallest']:>11.2f} {r['floor_us_per_imp']:>12.1f}")
-    print("\nsteps of the build (largest size):")
-    print(f"{'step':>16} {'calls':>5} {'wall s':>7} {'share':>6} {'jobs':>5} {'stages':>6} {'tasks':>6} {'exec s':>7}")
-    last = rows[-1]
-    for st in last["steps"]:
-        print(f"{st['step']:>16} {st['calls']:>5} {st['wall_s']:>7.1f} {st['wall_s'] / last['build_s']:>6.0%} "
-              f"{st['jobs']:>5} {st['stages']:>6} {st['tasks']:>6} {st['executor_run_s']:>7.1f}")
-    tot: dict[str, list] = {}
-    for st in last["steps"]:
-        for n, v in st.get("stages_by_tasks", {}).items():
-            t = tot.setdefault(n, [0, 0.0])
-            t[0] += v["stages"]
-            t[1] += v["wall_s"]
-    if tot:
-        print("stage wall time by tasks per stage: " + ", ".join(
-            f"{n} tasks: {v[0]} stages {v[1]:.0f} s" for n, v in sorted(tot.items(), key=lambda kv: -kv[1][1])))
-    b = last["bytes"]
-    print("\nbytes (largest size):")
-    print(f"  on disk:   fat rows as written {b['disk_fat_as_written']:,}, fat rows in training order "
-          f"{b['disk_fat_training_order']:,}, user-wise samples {b['disk_samples']:,}  -> {b['disk_ratio']}x")
-    print(f"  in memory: fat rows {b['mem_fat']:,}, user-wise samples {b['mem_samples']:,}  -> {b['mem_ratio']}x")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    def run_sparse():
+        print(f"\n== sparse calendar: {args.sparse_impressions:,} impressions over "
+              f"{', '.join(map(str, args.sparse_spans))} days", flush=True)
+        return sparse_section(spark, work, args)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    runs = {"days": run_days, "impression": run_impression, "skew": run_skew, "sparse": run_sparse}
+    verdicts = []
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        try:
+            out = runs[name]()
+        except Exception as e:  # a failed section is reported; the others still run and are saved
+            import traceback
+
+            traceback.print_exc()
+            out = {"error": f"{type(e).__name__}: {e}", "verdicts": [f"VERDICT {name}: failed: {e}"]}
+        res["sections"][name] = stamp(out)
+        verdicts += out["verdicts"]
+        save()  # after every section: a long run that dies keeps what it measured
+
+    print("\nverdicts:")
+    for v in verdicts:
+        print(f"  {v}")
     print(f"\nwrote {args.json}")
     if not args.no_plot:
         plot(res, args.plot)
