@@ -7,7 +7,9 @@ state (the versions in ``_userwise/complete.json``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pyarrow as pa
 import pytest
 
 from userwise.pipelines.build import completion, writer_lock
+from userwise.pipelines.build import range as build_range
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.shards import manifest as mf
 
@@ -59,10 +62,37 @@ def log(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clean(log, tmp_path_factory):
+def clean_run(log, tmp_path_factory):
+    """An uninterrupted build: its folder, the finished process, its JSON report."""
     out = tmp_path_factory.mktemp("clean") / "D"
-    run(*build_args(log, out))
-    return out
+    rep = out.parent / "report.json"
+    r = run(*build_args(log, out), "--report", str(rep))
+    return out, r, json.loads(rep.read_text())
+
+
+@pytest.fixture(scope="module")
+def clean(clean_run):
+    return clean_run[0]
+
+
+STEP = re.compile(r"^\[userwise\] (\S+) +(?:([\d,]+) rows)? +(\d+\.\d) s$")
+
+
+def test_a_build_prints_the_report_on_stdout_its_steps_on_stderr_and_spark_s_log_in_a_file(clean_run, capsys):
+    _, r, rep = clean_run
+    build_range.print_report(rep)
+    assert r.stdout == capsys.readouterr().out  # the report alone
+    assert rep["bytes_in"] > 0 and rep["bytes_out"] > 0
+    steps = {m.group(1): m for m in map(STEP.match, r.stderr.splitlines()) if m}
+    rows = {k: int(m.group(2).replace(",", "")) for k, m in steps.items() if m.group(2)}
+    assert set(rows) >= {"ingest", "quarantine", "requests", "events", "samples", "history"}, r.stderr
+    assert "report" in steps, r.stderr
+    assert rows["ingest"] == rep["rows_read"] and rows["samples"] == rep["samples"] > 0
+    assert rows["requests"] == rep["requests"] and rows["quarantine"] == sum(rep["quarantined"].values()) > 0
+    assert rows["events"] > 0 and rows["history"] > 0
+    assert not re.search(r"\b(WARN|INFO|ERROR)\b|log4j|SLF4J|\tat ", r.stdout + r.stderr), r.stderr
+    log_file = re.search(r"^\[userwise\] Spark's log: (\S+)$", r.stderr, re.M)
+    assert log_file and os.path.getsize(log_file.group(1)) > 0, r.stderr
 
 
 def one_error(r, *needles):
@@ -92,7 +122,9 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
               "`userwise build", "did not finish")
     assert not (tmp_path / "S" / "manifest.json").exists()
 
-    run(*build_args(log, out))  # takes over the dead build's lock and replaces what it wrote
+    # takes over the dead build's lock and replaces what it wrote; --quiet: no progress lines
+    r = run(*build_args(log, out), "--quiet")
+    assert "[userwise]" not in r.stderr and r.stdout.startswith("rows read "), r.stderr
     got, want = tables(str(out)), tables(str(clean))
     for t in TABLES:  # compared as Python values, where NaN labels and scores equal themselves
         assert got[t].schema == want[t].schema and repr(got[t].to_pylist()) == repr(want[t].to_pylist()), t
