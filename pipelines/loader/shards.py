@@ -60,7 +60,7 @@ class NodeShards:
             per_rg: list[np.ndarray] = []
             for s in range(len(self.shards)):
                 try:  # its pages checked against their CRCs, as every read of the loader
-                    t = pq.read_table(self.path(s), columns=[name], page_checksum_verification=True)
+                    t = pq.read_table(source(self.path(s)), columns=[name], page_checksum_verification=True)
                 except Exception as e:  # noqa: BLE001
                     why = " ".join(str(e).split())
                     raise ShardError(f"{self.path(s)}: column {name} unreadable ({why}); re-stage this file") from None
