@@ -1,18 +1,17 @@
 """The pointer: one stream per user, requests index into it, chunks cap the cost.
 
-All per-user running quantities (event index, request seq_end, cumulative
-impressions, chunk boundaries) are computed with :func:`prefix`, which splits
-a user's rows by time bucket before any window, so a bot user with millions
-of rows spreads over many tasks instead of sinking one.
+The per-user running quantities (event index, request seq_end) are computed with
+:func:`prefix`, which splits a user's rows by time bucket before any window, so a
+bot user with millions of rows spreads over many tasks instead of sinking one.
 
-Chunking (no O(chunks x actions)): with requests in order j, slice [b_j, e_j),
-own cost c_j (impressions, plus override events for fat rows) and E_j the
-running max of e, put Q_j = E_j + C_{j-1} (C = cumulative own cost). Requests
-with c_j > R or a slice longer than L are "big": each is a chunk of its own.
-The others are grouped by floor(Q_j / W) and the count of big requests before
-them. With W + R = cap - L, a chunk i..j costs at most
-Q_j - Q_i + c_j + L < W + R + L = cap. Events are then routed to chunks by an
-equi-join on (user, index bucket), never a range join.
+Chunking (:func:`assign_chunks`) is a greedy fill. A chunk's cost is what its
+sample stores: the events from its slices' least begin to their greatest end,
+plus its requests' own costs (impressions, and override events for fat rows).
+In (req_time, req_id) order a chunk takes the user's next request unless that
+would take its cost over ``max_sample_cost``; a request over the cap alone is a
+chunk of its own. One fold per (user, set) over the sorted narrow rows does it,
+linear in the user's requests (a heavy user's pass through one task). Events are
+then routed to chunks by an equi-join on (user, index bucket), never a range join.
 """
 
 from __future__ import annotations
@@ -111,24 +110,52 @@ def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataF
 
 
 def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
-    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (null: no slice),
-    _c (own cost), _len (slice length). Chunks are numbered per (user, *part): ``part``
-    names the sample set where one frame holds several."""
-    L, cap = cfg.max_seq_len, cfg.max_sample_cost
-    W = max(1, (cap - L) // 2)
-    R = max(0, cap - L - W)
-    big = ((F.col("_c") > R) | (F.col("_len") > L)).cast("long")
-    r = reqs.withColumn("_big", big).withColumn("_sk", bucket_of(F.col("req_time"), cfg))
-    r = keep(prefix(r, ["user", *part], "_sk", [F.col("req_time").asc(), F.col("req_id").asc()],
-                    sums={"_ccum": "_c", "_gcum": "_big"}, maxes={"_emax": "_e"}))
-    r = r.withColumn("_q", F.coalesce(F.col("_emax"), F.lit(0)) + F.col("_ccum") - F.col("_c"))
-    r = (r.withColumn("_k", F.floor(F.col("_q") / F.lit(W)).cast("long"))
-          .withColumn("_nb", 1 - F.col("_big")))
-    keys = r.select("user", *part, "_k", "_gcum", "_nb").distinct()
-    wk = Window.partitionBy("user", *part).orderBy("_k", "_gcum", "_nb").rowsBetween(UNB, CUR)
-    keys = keys.withColumn("chunk", (F.row_number().over(wk) - 1).cast("int"))
-    return r.join(keys, on=["user", *part, "_k", "_gcum", "_nb"], how="inner").drop(
-        "_k", "_gcum", "_nb", "_q", "_ccum", "_emax", "_big", "_sk")
+    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (slice; ignored
+    where _len is 0), _c (own cost: impressions, plus override events), _len (slice length),
+    keeping every other column. Chunks are numbered 0.. per (user, *part): ``part`` names
+    the sample set where one frame holds several.
+
+    Greedy, in (req_time, req_id) order: a chunk's cost is the span of its slices
+    (max _e - min _b, the events it stores) plus the sum of _c, and a chunk closes only
+    when the next request would take that cost over ``max_sample_cost``; a request over
+    the cap alone is a chunk of its own. One fold per (user, *part) over its sorted narrow
+    rows (``F.aggregate``) records where each chunk starts; the rows explode back with
+    their chunk ids.
+    """
+    cap = cfg.max_sample_cost
+    keys = ["user", *part]
+    rest = [c for c in reqs.columns if c not in (*keys, "req_time", "req_id")]
+    per = reqs.groupBy(*keys).agg(
+        F.sort_array(F.collect_list(F.struct("req_time", "req_id", *rest))).alias("_r"))
+
+    def step(acc: Column, x: Column) -> Column:
+        has = x["_len"] > 0
+        b = F.when(has, x["_b"].cast("long"))
+        e = F.when(has, x["_e"].cast("long"))
+        c = x["_c"].cast("long")
+        lo, hi, cost = F.least(acc["lo"], b), F.greatest(acc["hi"], e), acc["c"] + c
+        close = (acc["n"] > 0) & (F.coalesce(hi - lo, F.lit(0)) + cost > F.lit(cap))
+        return F.struct(
+            (acc["n"] + 1).alias("n"),
+            F.when(close, b).otherwise(lo).alias("lo"),
+            F.when(close, e).otherwise(hi).alias("hi"),
+            F.when(close, c).otherwise(cost).alias("c"),
+            F.when(close, F.concat(acc["starts"], F.array(acc["n"]))).otherwise(acc["starts"]).alias("starts"),
+        )
+
+    zero = F.struct(F.lit(0).alias("n"), F.lit(None).cast("long").alias("lo"), F.lit(None).cast("long").alias("hi"),
+                    F.lit(0).cast("long").alias("c"), F.array().cast("array<int>").alias("starts"))
+
+    def chunk_ids(acc: Column) -> Column:
+        """Chunk k repeated over its requests: starts[k] up to the next start (or the end)."""
+        starts = F.concat(F.array(F.lit(0)), acc["starts"])
+        return F.flatten(F.transform(starts, lambda s, k: F.array_repeat(
+            k, F.when(k + 1 < F.size(starts), F.element_at(starts, k + 2)).otherwise(acc["n"]) - s)))
+
+    per = per.select(*keys, "_r", F.aggregate("_r", zero, step, chunk_ids).alias("chunk"))
+    z = per.select(*keys, F.explode(F.arrays_zip("_r", "chunk")).alias("_z"))
+    return z.select(*keys, *[F.col("_z._r")[c].alias(c) for c in ("req_time", "req_id", *rest)],
+                    F.col("_z.chunk").cast("int").alias("chunk"))
 
 
 def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
