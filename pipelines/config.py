@@ -60,6 +60,9 @@ TOP_KEYS = {
     "time_unit": "ms",
     "max_seq_len": 1000,
     "history_length": 2000,
+    # a sample's cost is its stored events + impressions (+ override events, fat rows); a
+    # user's requests fill a chunk in order until the next would take it over this cap (a
+    # request over the cap alone is a chunk of its own)
     "max_sample_cost": 20000,
     "max_quarantine_share": 0.01,
     "seed": 0,
