@@ -157,6 +157,44 @@ def test_rerun_older_history_date_derives_the_history_from_events(spark, log, da
     assert all(int(v[d]) < current for d in days[:1])
 
 
+def test_tables_explain_themselves(spark, ranged, dailies, log):
+    """Every column of every published table carries its schema doc as its Delta column
+    comment, in the range build and after the daily jobs (replaceWhere reruns, the history's
+    MERGE); the tables that hold an action mask name its bits, read back without Spark."""
+    from deltalake import DeltaTable
+
+    from userwise import schemas as S
+    from userwise.pipelines.build import build_record
+    from userwise.schemas.core import COMMENT
+
+    labels = list(C.parse(log.config).action_labels)
+    assert labels == ["click", "like"]
+    for out in (ranged[0], dailies):
+        _, layout, _ = build_record.load(out)
+        schemas = {"requests": S.requests_schema(layout), "events": S.events_schema(layout),
+                   "history": S.history_schema(layout), "samples": S.samples_schema(layout),
+                   "quarantine": S.QUARANTINE, "history_log": S.HISTORY_LOG}
+        assert set(schemas) == set(delta_io.TABLES)
+        for name, schema in schemas.items():
+            t = DeltaTable(delta_io.table_path(out, name))
+            got = {f.name: (f.metadata or {}).get(COMMENT) for f in t.schema().fields}
+            assert got == {f.name: f.doc for f in schema.fields} and all(got.values()), (out, name)
+            bits = t.metadata().configuration.get(S.ACTION_BITS)
+            assert (bits is not None) == (name in ("requests", "events", "history", "samples")), (out, name)
+            if bits is not None:
+                assert S.action_bits(delta_io.table_path(out, name)) == labels
+        assert S.action_bits(out) == labels
+    described = spark.sql(f"DESCRIBE TABLE delta.`{delta_io.table_path(dailies, 'samples')}`").collect()
+    assert {r.col_name: r.comment for r in described if r.col_name == "seq_action"} == \
+        {"seq_action": S.samples_schema(build_record.load(dailies)[1]).field("seq_action").doc}
+    # every stored event is an action of known labels; click and like both occur
+    masks = pa.compute.unique(pa.compute.list_flatten(
+        delta_io.read_small(delta_io.table_path(dailies, "samples"), ["seq_action"]).column("seq_action")))
+    assert set(masks.to_pylist()) <= set(range(1, 1 << len(labels)))
+    assert {n for m in masks.to_pylist() for n in S.decode_action(m, labels)} == set(labels)
+    assert S.decode_action(3, labels) == ["click", "like"] and S.decode_action(2, labels) == ["like"]
+
+
 def test_window_days_must_divide():
     with pytest.raises(UserwiseError, match="does not divide"):
         B.windows(dt.date(2026, 1, 10), 5, 2)
