@@ -88,3 +88,21 @@ def test_no_bar_when_stderr_is_not_a_terminal(monkeypatch, capsys):
         time.sleep(0.05)
         st.rows = 1
     assert "\r" not in capsys.readouterr().err
+
+
+def test_spark_tasks_reads_the_active_stages_from_spark_s_status_tracker(spark):
+    """Polled from another thread while a job of 40 tasks runs (each sleeps 0.1 s in the JVM)."""
+    import threading
+
+    job = threading.Thread(target=lambda: spark.range(40, numPartitions=40).selectExpr(
+        "reflect('java.lang.Thread', 'sleep', cast(100 as bigint)) AS x").collect())
+    job.start()
+    seen = []
+    while job.is_alive():
+        got = progress.spark_tasks()
+        if got and got[1]:
+            seen.append(got)
+        time.sleep(0.05)
+    job.join()
+    assert seen and all(total == 40 and stages == 1 and 0 <= done <= 40 for done, total, stages in seen), seen
+    assert progress.spark_tasks() == (0, 0, 0)
