@@ -61,12 +61,6 @@ def submit(cluster, shipped, job, *args, tmp):
     return r
 
 
-def _last_json(text: str) -> dict:
-    lines = text.splitlines()
-    start = max(i for i, line in enumerate(lines) if line == "{")
-    return json.loads("\n".join(lines[start:]))
-
-
 def test_cluster_runs_two_workers_and_executors_import_the_shipped_zip(cluster, shipped, tmp_path):
     assert cluster.alive_workers() == 2
     out = tmp_path / "probe.json"
@@ -79,35 +73,31 @@ def test_cluster_runs_two_workers_and_executors_import_the_shipped_zip(cluster, 
     assert any(a["name"] == "userwise-probe" for a in apps)
 
 
-def test_daily_chain_through_spark_submit_on_the_cluster(cluster, shipped, spark, tmp_path):
-    """requests -> history -> window of one day through the cluster; the tables equal local mode's.
-
-    (preshard and publish through spark-submit run in the DAG test; here the point is the Delta
-    jobs on executors that import only the shipped zip.)
+def test_a_build_through_spark_submit_on_the_cluster_equals_local_mode(cluster, shipped, spark, tmp_path):
+    """One range build (a pretrain set and a one-day window) through the cluster; its tables
+    equal the same build's in local mode. The point is the Delta jobs on executors that
+    import only the shipped zip (the daily jobs through spark-submit run in the DAG test).
     """
-    from userwise.pipelines import config
-    from userwise.pipelines.build import daily
+    from tests.build.test_roundtrip import run_cli
 
-    data = synth(tmp_path / "synth", days=1)
+    data = synth(tmp_path / "synth", days=2)
+    args = ["--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--as-of", DAYS[2],
+            "--pretrain-days", "1", "--window-days", "1"]
     out = tmp_path / "build"
-    day = ["--config", str(data / "config.yaml"), "--output", str(out), "--date", DAYS[0]]
     before = len(cluster.state().get("completedapps", []))
-    submit(cluster, shipped, "requests", *day, "--input", str(data / "lean"), tmp=tmp_path)
-    submit(cluster, shipped, "history", *day, tmp=tmp_path)
-    r = submit(cluster, shipped, "window", *day, "--window-days", "1", tmp=tmp_path)
-    got = _last_json(r.stdout)  # the job's report (stdout also holds Spark's log4j start-up lines)
-    assert got["window_end"] == "2026-01-02" and got["samples"] > 0 and got["impressions"] > 0
-    assert len(cluster.state().get("completedapps", [])) == before + 3  # all three ran on the cluster
-    # same tables as local mode, in-process (the shared session, the daily API)
-    local = str(tmp_path / "local")
-    cfg = config.load(str(data / "config.yaml"))
+    submit(cluster, shipped, "build", *args, "--output", str(out), "--report", str(tmp_path / "r.json"),
+           tmp=tmp_path)
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["reconciled"] and got["samples"] > 0 and got["impressions_in_samples"] > 0
+    assert len(cluster.state().get("completedapps", [])) == before + 1  # it ran on the cluster
+    # the same build in local mode, in-process on the shared session
+    local = tmp_path / "local"
     restore = fast_session_conf(spark)
     try:
-        daily.requests_day(spark, cfg, str(data / "lean"), local, DAYS[0])
-        daily.history_day(spark, cfg, local, DAYS[0])
-        daily.window_day(spark, cfg, local, DAYS[0], 1)
+        rc, err = run_cli(["build", *args, "--output", str(local)])
     finally:
         restore()
+    assert rc == 0, err
     tables = table_digest(out)
     assert set(tables) == set(TABLES)
     assert tables == table_digest(local)
