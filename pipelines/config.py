@@ -363,14 +363,21 @@ def parse(raw: Any, source: str | None = None) -> Config:
 
 
 def load(path: str | Path) -> Config:
-    p = Path(path)
-    if not p.exists():
+    """Read a config file: a local path or a store's URL (hdfs://, s3://, ...)."""
+    from userwise.pipelines.runtime import storage
+
+    p = str(path)
+    try:
+        data = storage.read_bytes(p)
+    except OSError as e:
+        raise ConfigError("<file>", f"{p} cannot be read: {e}") from None
+    if data is None:
         raise ConfigError("<file>", f"{p} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
+        raw = yaml.safe_load(data.decode())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
-    return parse(raw, source=str(p))
+    return parse(raw, source=p)
 
 
 def _numeric(t: pa.DataType) -> bool:

@@ -128,9 +128,8 @@ def cli(args) -> int:
     rep = build(spark, cfg, args.input, args.output, args.as_of, args.pretrain_days, args.window_days,
                 args.actions)
     print_report(rep)
-    if args.report:
-        with open(args.report, "w") as f:
-            json.dump(rep, f, indent=1, sort_keys=True, default=str)
+    if args.report:  # a local path or a store's URL
+        storage.write_bytes(args.report, json.dumps(rep, indent=1, sort_keys=True, default=str).encode())
     if not rep["reconciled"]:
         raise UserwiseError("counts do not reconcile: rows read != in samples + quarantined + after as-of "
                             f"({json.dumps({k: rep[k] for k in ('rows_read', 'impressions_in_samples', 'after_as_of')})})")
