@@ -232,8 +232,13 @@ def rmtree(url: str) -> None:
         shutil.rmtree(local_path(url), ignore_errors=True)
         return
     fs, p = filesystem(url)
+    _unless_missing(fs, p, fs.delete_dir)
+
+
+def _unless_missing(fs: pafs.FileSystem, p: str, op) -> None:
+    """``op(p)``, where a path that is not there is not an error."""
     try:
-        fs.delete_dir(p)
+        op(p)
     except FileNotFoundError:
         pass
     except OSError:
@@ -288,13 +293,7 @@ def write_bytes(url: str, data: bytes) -> None:
 
 def remove(url: str) -> None:
     fs, p = filesystem(url)
-    try:
-        fs.delete_file(p)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        if fs.get_file_info(p).type != pafs.FileType.NotFound:
-            raise
+    _unless_missing(fs, p, fs.delete_file)
 
 
 def create_exclusive(url: str, data: bytes) -> bool:
