@@ -248,7 +248,7 @@ def _oracle(corpus, name) -> pl.DataFrame:
     if isinstance(src, tuple):  # the renamed copy (odd): rename its answer back
         src, ocfg = src
         want = O.expected_pointwise(src, ocfg, as_of, rejected)
-        return want.rename({"f_action": "action", "seq_f_action": "seq__action", "num_events": "seq__len"})
+        return want.rename({"f_action": "action", "seq_f_action": "seq__action", "seq_len": "seq__len"})
     return O.expected_pointwise(src, cfg, as_of, rejected)
 
 
