@@ -35,7 +35,7 @@ $(PETA_STAMP): requirements-petastorm.lock $(STAMP)
 
 jars: $(STAMP)
 	$(BIN)/userwise jars >/dev/null
-	$(BIN)/python -m tests.support.remote_store >/dev/null  # the tests' HDFS (tests/remote)
+	$(BIN)/python -m userwise.pipelines.tools.hdfs_store >/dev/null  # the HDFS minicluster (tests/remote, make demo-remote)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 # Two pytest-xdist workers, a test file per worker at a time (module fixtures such as a

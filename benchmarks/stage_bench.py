@@ -1,6 +1,6 @@
 """``userwise stage`` against the store's own client, side by side, on one HDFS.
 
-Starts a MiniDFSCluster (tests/support/remote_store.py: Hadoop's own name node and data
+Starts a MiniDFSCluster (pipelines/tools/hdfs_store.py: Hadoop's own name node and data
 node in a JVM), writes a synthetic shard set to it (preshard's Arrow writer, no Spark),
 then copies node 0's files to local disk alternately with
 
@@ -27,14 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.support.remote_store import HdfsStore  # noqa: E402
-from userwise import schemas  # noqa: E402
-from userwise.pipelines.runtime import storage  # noqa: E402
-from userwise.pipelines.shards import manifest as mf  # noqa: E402
-from userwise.pipelines.shards import preshard, stage  # noqa: E402
-from userwise.pipelines.tools.shardgen import build_samples, layout  # noqa: E402
+from userwise import schemas
+from userwise.pipelines.runtime import storage
+from userwise.pipelines.shards import manifest as mf
+from userwise.pipelines.shards import preshard, stage
+from userwise.pipelines.tools.hdfs_store import HdfsStore
+from userwise.pipelines.tools.shardgen import build_samples, layout
 
 
 def main(argv=None) -> int:

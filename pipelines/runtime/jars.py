@@ -1,36 +1,79 @@
-"""Delta's jars: resolve them once into a local cache, then point spark.jars there.
+"""Jars the product needs beside pyspark: resolve a named set once into a local cache.
 
-Order of attempts (``userwise jars``, run by ``make``):
+A :class:`JarSet` names Maven packages, the pinned pom beside this file that holds the
+same versions, its folder in the cache and the files that must be there. :func:`fetch`
+tries, in the set's order:
 1. the cache already holds them (checked by name and size): done;
-2. Spark's own package resolution (Ivy) into the cache;
-3. Maven (``mvn dependency:copy-dependencies``) with the pinned pom
-   ``delta-jars.xml``.
+2. Spark's own package resolution (Ivy, ``spark-submit --packages`` on a no-op program);
+3. Maven (``mvn dependency:copy-dependencies``) with the set's pom.
 
-Why 4.4.0: PyPI's delta-spark 4.4.1 is the Python API; Maven Central serves
-the Spark 4.2 build of the jar (delta-spark_4.2_2.13) at 4.4.0, and the 4.4.x
-Python API drives it unchanged.
+:data:`DELTA` is what every Spark session here loads (``userwise jars``, run by
+``make``). Why 4.4.0: PyPI's delta-spark 4.4.1 is the Python API; Maven Central serves
+the Spark 4.2 build of the jar (delta-spark_4.2_2.13) at 4.4.0, and the 4.4.x Python API
+drives it unchanged. The HDFS minicluster's set lives with its launcher
+(``pipelines/tools/hdfs_store.py``).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-
-DELTA_VERSION = "4.4.0"
-DELTA_PACKAGES = (
-    f"io.delta:delta-spark_4.2_2.13:{DELTA_VERSION}",
-    f"io.delta:delta-storage:{DELTA_VERSION}",
-)
-JAR_NAMES = (f"delta-spark_4.2_2.13-{DELTA_VERSION}.jar", f"delta-storage-{DELTA_VERSION}.jar")
 
 
 class JarsError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class JarSet:
+    """A set of jars fetched together.
+
+    ``packages``: Maven coordinates for Spark's resolver; ``pom``: the pinned pom's file name
+    beside this module; ``folder``: its folder under :func:`cache_dir` ("" for the cache
+    itself); ``needed``: the file names that must be there; ``whole_folder``: the class path
+    is every jar of the folder (the packages' dependencies too), not only ``needed``;
+    ``maven_first``: try Maven before Ivy.
+
+    Example::
+
+        fetch(JarSet("Delta 4.4.0", ("io.delta:delta-storage:4.4.0",), "delta-jars.xml", "",
+                     ("delta-storage-4.4.0.jar",)))
+    """
+
+    name: str
+    packages: tuple[str, ...]
+    pom: str
+    folder: str
+    needed: tuple[str, ...]
+    whole_folder: bool = False
+    maven_first: bool = False
+
+    def dest(self) -> Path:
+        return cache_dir() / self.folder if self.folder else cache_dir()
+
+    def cached(self) -> list[str] | None:
+        """The jars' paths when every needed file is there, else None."""
+        d = self.dest()
+        if not all((d / n).is_file() and (d / n).stat().st_size > 0 for n in self.needed):
+            return None
+        if self.whole_folder:
+            return sorted(str(p) for p in d.glob("*.jar"))
+        return [str(d / n) for n in self.needed]
+
+
+DELTA_VERSION = "4.4.0"
+DELTA = JarSet(
+    name=f"Delta {DELTA_VERSION}",
+    packages=(f"io.delta:delta-spark_4.2_2.13:{DELTA_VERSION}", f"io.delta:delta-storage:{DELTA_VERSION}"),
+    pom="delta-jars.xml",
+    folder="",
+    needed=(f"delta-spark_4.2_2.13-{DELTA_VERSION}.jar", f"delta-storage-{DELTA_VERSION}.jar"),
+)
 
 
 def cache_dir() -> Path:
@@ -41,36 +84,36 @@ def cache_dir() -> Path:
 
 
 def cached_jars() -> list[str] | None:
-    d = cache_dir()
-    paths = [d / n for n in JAR_NAMES]
-    if all(p.exists() and p.stat().st_size > 0 for p in paths):
-        return [str(p) for p in paths]
-    return None
+    """Delta's jars when the cache holds them."""
+    return DELTA.cached()
 
 
-def _via_ivy(dest: Path, log) -> bool:
+def _via_ivy(js: JarSet, dest: Path, log) -> bool:
     """Spark's own resolution: spark-submit --packages on a no-op program."""
     import pyspark
 
     submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
     ivy = Path(tempfile.mkdtemp(prefix="userwise-ivy-"))
-    noop = ivy / "noop.py"
-    noop.write_text("pass\n")
-    cmd = [str(submit), "--conf", f"spark.jars.ivy={ivy}", "--packages", ",".join(DELTA_PACKAGES), str(noop)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log(f"spark package resolution failed: {e}")
-        return False
-    found = {Path(p).name: p for p in glob.glob(str(ivy / "jars" / "*.jar"))}
-    want = {n: next((p for k, p in found.items() if k.endswith(n.split("-")[0] + "-" + DELTA_VERSION + ".jar")
-                     or k.endswith(n)), None) for n in JAR_NAMES}
-    if r.returncode != 0 or not all(want.values()):
-        log("spark package resolution could not fetch Delta's jars; falling back to Maven")
-        return False
-    for n, p in want.items():
-        shutil.copy(p, dest / n)
-    return True
+        noop = ivy / "noop.py"
+        noop.write_text("pass\n")
+        cmd = [str(submit), "--conf", f"spark.jars.ivy={ivy}", "--packages", ",".join(js.packages), str(noop)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"spark package resolution failed: {e}")
+            return False
+        # Ivy names them group_artifact-version.jar; the cache keeps artifact-version.jar
+        found = {p.name.split("_", 1)[-1]: p for p in (ivy / "jars").glob("*.jar")}
+        if r.returncode != 0 or not all(n in found for n in js.needed):
+            log(f"spark package resolution could not fetch {js.name}")
+            return False
+        for n, p in found.items():
+            if js.whole_folder or n in js.needed:
+                shutil.copy(p, dest / n)
+        return True
+    finally:
+        shutil.rmtree(ivy, ignore_errors=True)
 
 
 def maven_copy(pom: Path, dest: Path, log) -> bool:
@@ -88,28 +131,37 @@ def maven_copy(pom: Path, dest: Path, log) -> bool:
     return True
 
 
-def _via_maven(dest: Path, log) -> bool:
-    return maven_copy(Path(__file__).with_name("delta-jars.xml"), dest, log)
+def _via_maven(js: JarSet, dest: Path, log) -> bool:
+    return maven_copy(Path(__file__).with_name(js.pom), dest, log)
+
+
+def fetch(js: JarSet, verbose: bool = True, try_ivy: bool = True) -> list[str]:
+    """The set's jar paths, fetched into the cache if needed; :class:`JarsError` (one line) if they cannot be."""
+    got = js.cached()
+    if got:
+        return got
+    log = (lambda m: print(f"[jars] {m}", file=sys.stderr)) if verbose else (lambda m: None)
+    dest = js.dest()
+    dest.mkdir(parents=True, exist_ok=True)
+    log(f"fetching {js.name} jars into {dest}")
+    tries = [_via_maven] + ([_via_ivy] if try_ivy else [])
+    if not js.maven_first:
+        tries.reverse()
+    for attempt in tries:
+        if attempt(js, dest, log):
+            got = js.cached()
+            if got:
+                log("ok: " + ", ".join(got))
+                return got
+    raise JarsError(
+        f"could not fetch {js.name}'s jars ({', '.join(js.packages)}): no network to Maven Central? "
+        f"Put {', '.join(js.needed)} into {dest} (or set USERWISE_JARS to a jar cache holding them)"
+    )
 
 
 def ensure(verbose: bool = True, try_ivy: bool = True) -> list[str]:
     """Return the Delta jar paths, fetching them into the cache if needed."""
-    got = cached_jars()
-    if got:
-        return got
-    log = (lambda m: print(f"[jars] {m}", file=sys.stderr)) if verbose else (lambda m: None)
-    dest = cache_dir()
-    dest.mkdir(parents=True, exist_ok=True)
-    log(f"fetching Delta {DELTA_VERSION} jars into {dest}")
-    if (try_ivy and _via_ivy(dest, log)) or _via_maven(dest, log):
-        got = cached_jars()
-        if got:
-            log("ok: " + ", ".join(got))
-            return got
-    raise JarsError(
-        f"could not fetch Delta's jars ({', '.join(DELTA_PACKAGES)}); put {', '.join(JAR_NAMES)} "
-        f"into {dest} (or set USERWISE_JARS to a folder holding them)"
-    )
+    return fetch(DELTA, verbose=verbose, try_ivy=try_ivy)
 
 
 def cli(args) -> int:

@@ -1,5 +1,5 @@
 """The data path from cluster storage, on a real HDFS (a MiniDFSCluster in its own JVM,
-tests/support/remote_store.py) shared by the module: build on it, preshard to it, stage
+pipelines/tools/hdfs_store.py) shared by the module: build on it, preshard to it, stage
 from it (killed and resumed; the store going away), the loader over the staged copy and
 straight from the store."""
 
@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 from tests.support import edgegen
-from tests.support.remote_store import HdfsStore
 from userwise.pipelines import cli
 from userwise.pipelines.build import completion
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards import publish, stage
+from userwise.pipelines.tools.hdfs_store import HdfsStore
 
 PY = sys.executable
 M, N = 2, 1
