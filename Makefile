@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine (Python 3.11 + Java 17):
 #   make demo   - synthetic log -> build -> expand on local Spark with Delta
+#                 (make demo-remote: the same with every output on a MiniDFSCluster)
 #   make test   - ruff, then the test suite
 # Both create .venv from the lock file if missing, fetch Delta's jars and the
 # petastorm side environment. Nothing needs installing by hand.
@@ -13,7 +14,7 @@ PETA := .venv-petastorm
 PETA_STAMP := $(PETA)/.installed
 DEMO ?= demo
 
-.PHONY: demo test setup jars lock clean bench
+.PHONY: demo demo-remote test setup jars lock clean bench
 
 setup: $(STAMP) $(PETA_STAMP) jars
 
@@ -51,6 +52,11 @@ test: setup
 
 demo: setup
 	$(BIN)/python -m userwise.pipelines.tools.demo --output $(DEMO)
+
+# The demo from cluster storage: a MiniDFSCluster under $(DEMO)/hdfs holds the logs, the
+# tables, the reports and the shards; stage pulls node 0 into $(DEMO)/nvme.
+demo-remote: setup
+	$(BIN)/python -m userwise.pipelines.tools.demo --output $(DEMO) --remote hdfs
 
 bench: setup
 	$(BIN)/python benchmarks/build_bench.py
