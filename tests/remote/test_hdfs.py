@@ -311,6 +311,37 @@ def test_publish_moves_a_set_into_place_on_hdfs(store):
     assert not publish.is_published(out, "incremental", "2026-01-04", shards)
 
 
+@pytest.mark.spark
+def test_demo_remote_mode_keeps_every_output_on_hdfs_and_stages_node_0(spark, store, tmp_path, capsys):
+    """`demo --remote hdfs://...` on the module's store (smallest sizes, no fat build): tables,
+    reports, expanded rows and shards land on HDFS, nothing of them locally; stage's copy of node
+    0 verifies and the loader's epoch over it yields batches. A base that exists or a URL without
+    one is refused with one error line, before anything is written."""
+    from userwise.pipelines.tools import demo
+
+    base, out = f"{store.url}/uwdemo", tmp_path / "demo"
+    assert demo.main(["--output", str(out), "--remote", store.url]) == 2  # no base folder
+    assert demo.main(["--output", str(out), "--users", "12", "--days", "3", "--max-seq-len", "8", "--skip-fat",
+                      "--remote", base]) == 0
+    printed = capsys.readouterr()
+    fs = store.fsspec()
+    for t in TABLES:
+        assert fs.exists(f"/uwdemo/build/{t}/_delta_log"), t
+    assert fs.exists("/uwdemo/build/_userwise/build.json") and fs.exists("/uwdemo/shards/manifest.json")
+    assert json.loads(fs.cat("/uwdemo/report_lean.json"))["samples"] > 0
+    assert any(n.endswith(".parquet") for n in fs.ls("/uwdemo/expanded", detail=False))
+    assert sorted(os.listdir(out)) == ["nvme", "synth"]  # the logs made here and the staged copy only
+    m = mf.load(f"{base}/shards")
+    files = [f for s in mf.node_shards(m, 0) for f in mf.shard_files(s)]
+    assert mf.verify(str(out / "nvme" / "node0"), node=0)["files"] == len(files) > 0
+    batches = re.search(r"^(\d+) batches;", printed.out, re.MULTILINE)
+    assert batches and int(batches.group(1)) > 0, printed.out[-2000:]
+    assert demo.main(["--output", str(out), "--remote", base]) == 2  # it exists now
+    err = capsys.readouterr().err.splitlines()
+    assert len([ln for ln in err if ln.startswith("error:")]) == 1 and "does not exist yet" in err[-1]
+    assert (out / "nvme" / "node0" / "manifest.json").exists()  # the refused run changed nothing
+
+
 def test_conf_reaches_the_session_builder(tmp_path, capsys):
     """`--conf key=value` (repeatable) is what get_spark applies last; a malformed one is a usage error."""
     from userwise.pipelines.runtime import spark as spark_runtime
