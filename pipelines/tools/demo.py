@@ -46,7 +46,7 @@ def step(title: str, argv: list[str]) -> None:
 
 def _remote_base(remote: str) -> str:
     """The base URL of ``--remote hdfs://host:port/base``, checked: the store answers and
-    the base folder is new (the demo writes all its outputs under it)."""
+    the base folder does not exist yet (the demo writes all its outputs under it)."""
     from userwise.pipelines.runtime import storage
 
     u = urlsplit(remote)
@@ -91,7 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--conf", type=cli._conf, action="append", default=[], metavar="KEY=VALUE",
                    help="a Spark or Hadoop setting for every Spark step (repeatable)")
     a = p.parse_args(argv)
-    store, webhdfs = None, os.environ.get("USERWISE_WEBHDFS")
+    from userwise.pipelines.runtime import storage
+
+    store, webhdfs = None, os.environ.get(storage.WEBHDFS_ENV)
     try:
         base = _remote_base(a.remote) if a.remote not in (None, "hdfs") else None
         out = os.path.abspath(a.output)
@@ -116,9 +118,9 @@ def main(argv=None) -> int:
     finally:
         if store is not None:
             store.stop()
-            os.environ.pop("USERWISE_WEBHDFS", None)
+            os.environ.pop(storage.WEBHDFS_ENV, None)
             if webhdfs is not None:
-                os.environ["USERWISE_WEBHDFS"] = webhdfs
+                os.environ[storage.WEBHDFS_ENV] = webhdfs
 
 
 def _run(a, out: str, base: str | None, conf: dict[str, str]) -> int:
