@@ -138,3 +138,32 @@ def test_table_bytes_counts_only_the_current_version_s_files(tmp_path):
     assert on_disk() == 2 * one and delta_io.table_bytes(path) == one
     assert delta_io.table_bytes(path, version=0) == one
     assert delta_io.table_bytes(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.spark
+def test_a_write_describes_a_table_that_lacks_descriptions_once(spark, tmp_path):
+    """A table written without descriptions or properties (by other code, or an older
+    format) gets them from the next ``delta_io.replace`` (one ALTER for the comments, one
+    for the properties); a write that finds them in place adds no commit of its own.
+    Quotes and backslashes in the texts survive the SQL."""
+    from deltalake import DeltaTable
+
+    from userwise import schemas as S
+    from userwise.schemas.labels import action_bits_property
+
+    t = S.TableSchema("t", (S.Field("date", pa.date32(), False, "the day"),
+                            S.Field("n", pa.int64(), True, "it's n \\ 2")),
+                      partition_by=("date",), properties=action_bits_property(["a'b", "c"]))
+    p = str(tmp_path / "t")
+    df = spark.createDataFrame([(dt.date(2026, 1, 1), 1)], "date date, n long")
+    df.write.format("delta").partitionBy("date").save(p)
+    assert all(not (f.metadata or {}).get("comment") for f in DeltaTable(p).schema().fields)
+    v0 = DeltaTable(p).version()
+    delta_io.replace(df, p, "date = '2026-01-01'", schema=t)
+    assert {f.name: (f.metadata or {}).get("comment") for f in DeltaTable(p).schema().fields} == \
+        {"date": "the day", "n": "it's n \\ 2"}
+    assert S.action_bits(p) == ["a'b", "c"]
+    assert DeltaTable(p).version() == v0 + 3  # the write, the comments, the properties
+    delta_io.replace(df, p, "date = '2026-01-01'", schema=t)
+    assert DeltaTable(p).version() == v0 + 4  # the write alone
+    assert spark.read.format("delta").load(p).count() == 1
