@@ -3,7 +3,7 @@
 - ``requests_day``: one date's requests, events and quarantine;
 - ``history_day``: MERGE one date's actions into the history;
 - ``window_day``: the incremental samples of the window ending after a date:
-  per user the newest H events before the window start, derived from the
+  per user the newest L events before the window start, derived from the
   events table, plus the window's own events;
 - ``pretrain``: the pretrain samples (one job over all older requests).
 
@@ -212,9 +212,9 @@ def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
     """The samples of ``sets`` ((kind, start, end) each; start None: from the first day,
     the pretrain set) from one Spark plan, written in one commit; per set, what was written.
 
-    Every step is keyed by (user, set): a lean set's stream is its base (the newest H
-    events before its start) and its own events, all sets' derived at once from the
-    events table (:func:`history.set_streams`); a fat set's stream is its own requests'
+    Every step is keyed by (user, set): a lean set's stream is its base (the newest L
+    events before its start: all its requests can see) and its own events, all sets'
+    derived at once from the events table (:func:`history.set_streams`); a fat set's stream is its own requests'
     snapshots. One set is the same code, so the daily jobs equal a range build."""
     plan = SetPlan(cfg, [(st, en) for _, st, en in sets])
     # the pretrain set spans from the first request day (one value per set: readers group by
@@ -262,7 +262,7 @@ def log_set(out: dict, ws: dt.date | None) -> None:
 
 
 def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
-    """Incremental samples of [ws, we): the newest H events before ws, derived from the
+    """Incremental samples of [ws, we): the newest L events before ws, derived from the
     events table, plus the window's own events."""
     out = set_samples(spark, cfg, layout, output, [("incremental", ws, we)])[0]
     log_set(out, ws)

@@ -1,8 +1,9 @@
 """The stream as of any date, derived from the events table, and the history table.
 
 The events table is the truth. A window's stored stream is, per user, the
-newest H events strictly before its start plus its own events; the history as
-of a date D is the newest H events strictly before D. Both are one Spark
+newest L events strictly before its start (L = max_seq_len: all that a request
+of the window can see of the past) plus its own events; the history as of a
+date D is the newest H events strictly before D. Both are one Spark
 computation over the events for any number of dates (:func:`set_streams`,
 :func:`newest`): nothing replays days or reads an old Delta version.
 
@@ -96,7 +97,7 @@ class SetPlan:
         self.first = [-1 if s_ is None else (s_ - self.d0).days for s_, _ in bounds]
         self.covers = {g: [j for j, (f, (_, e)) in enumerate(zip(self.first, bounds))
                            if f <= g < (e - self.d0).days] for g in range(-1, segs)}
-        # a set with a start has a base: the newest H events before it
+        # a set with a start has a base: the newest L events before it
         self.has_base = any(s_ is not None for s_, _ in bounds)
 
     def segment_of_time(self, t: Column) -> Column:
@@ -119,30 +120,32 @@ class SetPlan:
 def set_streams(cfg: Config, layout: Layout, plan: SetPlan, events: DataFrame, active: DataFrame) -> DataFrame:
     """Every set's stream in one plan: user, _set, ev_* columns.
 
-    A set's stream is, per user, the newest H events strictly before its start (its
-    base, as the history table as of that day holds them) and its own events.
-    ``active``: the (user, _set) pairs that have requests; bases are made only for them.
+    A set's stream is, per user, the newest L events strictly before its start (its
+    base; L = max_seq_len: a request sees at most L events, so no request of the set
+    reaches an older one, and the samples store only what requests see) and its own
+    events. ``active``: the (user, _set) pairs that have requests; bases are made only
+    for them.
 
     An event of rank k in its user's stream (total order) belongs to the base of a later
-    set j exactly while fewer than H of the user's events lie between it and j's start,
-    i.e. while c_j < k + H (c_j: the user's events before j's start). Only the newest H
+    set j exactly while fewer than L of the user's events lie between it and j's start,
+    i.e. while c_j < k + L (c_j: the user's events before j's start). Only the newest L
     events of each (user, segment) can qualify, so the copies are bounded by the bases'
     own size; ranks come from per-segment counts, and no window spans a user's whole log.
     """
-    H = cfg.history_length
+    L = cfg.max_seq_len
     cols = event_cols(layout)
     ts = F.col(EV + "ts")
     e = events.select("user", *cols).where(ts < F.lit(plan.end)).withColumn("_g", plan.segment_of_time(ts))
     own = e.select("user", F.explode(plan.sets_of(F.col("_g"))).alias(SET), *cols)
     if not plan.has_base:
         return own
-    # the newest H events of each (user, segment): per time bucket first, so a bot user's
+    # the newest L events of each (user, segment): per time bucket first, so a bot user's
     # segment spreads over many tasks
     t = e.withColumn("_sk", bucket_of(ts, cfg))
     t = t.withColumn("_r", F.row_number().over(
-        Window.partitionBy("user", "_g", "_sk").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= H)
+        Window.partitionBy("user", "_g", "_sk").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= L)
     t = t.withColumn("_r", F.row_number().over(
-        Window.partitionBy("user", "_g").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= H)
+        Window.partitionBy("user", "_g").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= L)
     # per user, one row per segment: its events (_n), the events before it (_c) and the
     # active sets starting there
     counts = e.groupBy("user", "_g").agg(F.count(F.lit(1)).alias("_n"))
@@ -153,11 +156,14 @@ def set_streams(cfg: Config, layout: Layout, plan: SetPlan, events: DataFrame, a
     segs = segs.withColumn("_c", F.coalesce(F.sum("_n").over(before), F.lit(0)).cast("long"))
     per_user = segs.groupBy("user").agg(
         F.collect_list(F.struct("_g", "_c", "_n", "_sets")).alias("_segs"))
-    j = t.join(per_user, on="user", how="inner")
-    mine = F.filter(F.col("_segs"), lambda x: x["_g"] == F.col("_g"))[0]
-    rank = mine["_c"] + mine["_n"] - F.col("_r") + 1
+    # an event's rank from its own segment's row (an equi-join): looked up inside the lambda
+    # below, it would scan the user's segments once per segment, per event
+    own_seg = segs.select("user", "_g", (F.col("_c") + F.col("_n")).alias("_cn"))
+    j = (t.join(own_seg, on=["user", "_g"], how="inner")
+          .withColumn("_rank", F.col("_cn") - F.col("_r") + 1)
+          .join(per_user, on="user", how="inner"))
     later = F.filter(F.col("_segs"), lambda x: (x["_g"] > F.col("_g")) & (F.size(x["_sets"]) > 0)
-                     & (x["_c"] < rank + F.lit(H)))
+                     & (x["_c"] < F.col("_rank") + F.lit(L)))
     base = j.select("user", F.explode(F.flatten(F.transform(later, lambda x: x["_sets"]))).alias(SET), *cols)
     return own.unionByName(base)
 
