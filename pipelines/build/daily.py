@@ -152,9 +152,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
             f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
             "the limit")
     with progress.step("requests", [delta_io.table_path(output, "requests")]):
-        # in ranges of (date, request key) from ingest's shuffle (cross_row_reasons)
-        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, schema=S.requests_schema(layout),
-                         ranged=True)
+        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, schema=S.requests_schema(layout))
     with progress.step("events", [delta_io.table_path(output, "events")]):
         delta_io.replace(events, delta_io.table_path(output, "events"), where, schema=S.events_schema(layout))
     reqs.unpersist()

@@ -231,10 +231,7 @@ def cross_row_reasons(cfg: Config, canon: Canon, df: DataFrame) -> DataFrame:
     # The windows share one sort as well: each one's key is a prefix of the first one's,
     # ``_ok`` (passed the per-row checks) is fixed once, and later marks are read through
     # conditional aggregates instead of re-partitioning by the changed reason.
-    # By range, not by hash: the same key still lands in one partition, and the requests
-    # aggregated from these partitions come out in contiguous runs of dates, the layout their
-    # table wants, so writing them takes no shuffle (and no sampling pass) of its own.
-    df = df.repartitionByRange(*[F.col(c) for c in rk]).withColumn("_ok", F.col("_reason").isNull())
+    df = df.repartition(*[F.col(c) for c in rk]).withColumn("_ok", F.col("_reason").isNull())
     ok = F.col("_ok")
     has_pos = bool(cfg.col("position"))
     pos = [F.col("_pos")] if has_pos else []

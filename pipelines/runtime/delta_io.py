@@ -134,7 +134,7 @@ def dataset(path: str):
 
 
 def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = (), schema=None,
-            properties: dict[str, str] | None = None, ranged: bool = False) -> None:
+            properties: dict[str, str] | None = None) -> None:
     """Atomically replace the rows matching ``where`` (or the whole table) with ``df``.
 
     The DataFrame is cast to ``schema`` (a TableSchema) first: the schema
@@ -146,9 +146,6 @@ def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = ()
     (rows range-partitioned and sorted by it, so each file holds a contiguous run and
     min/max statistics skip files; the number of files follows the data). A table that
     exists keeps its own partitioning. ``partition_by`` is for writes without a schema.
-    ``ranged``: ``df`` is already range-partitioned by keys that start with the first order
-    column (each partition a contiguous run of it): its rows are only sorted within their
-    partitions, with no shuffle of their own.
     """
     spark = df.sparkSession
     order_by: tuple[str, ...] = ()
@@ -161,7 +158,7 @@ def replace(df, path: str, where: str | None, partition_by: tuple[str, ...] = ()
         properties = {**schema.properties, **(properties or {})}
     if order_by:
         # by range, not by value: AQE merges small ranges, so a day is never a file of its own
-        df = (df if ranged else df.repartitionByRange(*order_by)).sortWithinPartitions(*order_by)
+        df = df.repartitionByRange(*order_by).sortWithinPartitions(*order_by)
     w = df.write.format("delta").mode("overwrite").option("compression", CODEC)
     if partition_by:
         w = w.partitionBy(*partition_by)
