@@ -140,17 +140,10 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
     fs.create_dir(root, recursive=True)
     fs.delete_dir_contents(root, missing_dir_ok=True)
     names, schema = output_schema(layout)
-    key = "spark.sql.parquet.outputTimestampType"
-    before = spark.conf.get(key, None)
-    spark.conf.set(key, "TIMESTAMP_MICROS")  # not INT96: the rewrite reads instants, exactly
-    try:
+    # not INT96: the rewrite reads instants, exactly
+    with delta_io.session_conf(spark, {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}):
         target = scratch if "://" not in output or output.startswith("file:") else output.rstrip("/") + "/_spark"
         df.select(*[F.col(n) for n in names]).write.mode("overwrite").parquet(target)
-    finally:
-        if before is None:
-            spark.conf.unset(key)
-        else:
-            spark.conf.set(key, before)
     try:
         return rewrite(scratch, root, names, schema, fs)
     finally:
