@@ -738,8 +738,12 @@ def plot(res: dict, path: str) -> None:
 
     sec = res.get("sections", {})
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8))
-    ss = [s for k in ("series", "with_bot", "without_bot") for s in sec.get("impression", {}).get(k, [])
-          + sec.get("skew", {}).get(k, [])]
+    ss, seen = [], set()
+    for k in ("series", "with_bot", "without_bot"):
+        for s in sec.get("impression", {}).get(k, []) + sec.get("skew", {}).get(k, []):
+            if s["label"] not in seen:  # a skew run alone measures its with-bot series again: one line each
+                seen.add(s["label"])
+                ss.append(s)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, s in enumerate(ss):
         xs = [r["impressions"] / 1e6 for r in s["sizes"]]

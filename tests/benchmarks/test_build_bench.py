@@ -1,5 +1,5 @@
 """The build benchmark end to end on a tiny log: it reports every figure the docs quote, times
-the build's steps, and its least-plan reference aggregates every row of the log."""
+the build's steps, and runs both least-plan references (without and with the checks)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def test_build_bench_runs_end_to_end_on_a_tiny_log(tmp_path):
     (s,) = res["impression"]["series"]
     (row,) = s["sizes"]
     assert row["impressions"] > 1000 and 0 < row["bot_impressions"] < row["impressions"]
-    for k in ("floor_s", "skeleton_s", "build_s"):
+    for k in ("floor_s", "skeleton_s", "checked_s", "build_s"):
         assert row[k] > 0, k
     assert row["ratio"] == round(row["build_s"] / row["floor_s"], 2)
     assert row["skeleton_ratio"] == round(row["skeleton_s"] / row["floor_s"], 2)
+    assert row["checked_ratio"] == round(row["checked_s"] / row["floor_s"], 2)
     b = row["bytes"]
     assert b["fat_rows"] == row["impressions"] and b["disk_samples"] > 0 and b["mem_samples"] > 0
     assert b["disk_ratio"] == round(b["disk_fat_training_order"] / b["disk_samples"], 2)
