@@ -39,7 +39,7 @@ from tests.support import oracle as O
 from tests.support.common import config
 from userwise.schemas import reasons as R
 
-EXAMPLES = int(os.environ.get("USERWISE_HYPOTHESIS_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("USERWISE_HYPOTHESIS_EXAMPLES", "4"))
 
 AS_OF = dt.date(2026, 3, 6)
 DAYS = [AS_OF - dt.timedelta(days=k) for k in (3, 2, 1, 0)]  # the last one: at/after as-of
