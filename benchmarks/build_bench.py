@@ -354,11 +354,13 @@ def checked_run(spark, cfg, log_path: str, out: str) -> float:
             aggs.append(F.first(F.when(F.col(ingest.SNAP_KEEP), F.struct(*snap)), ignorenulls=True).alias("snap"))
         g = df.where(F.col("_reason").isNull()).groupBy("_date", "_user", "_req", "_rt").agg(*aggs)
         g = g.persist(StorageLevel.MEMORY_AND_DISK)
-        g.write.format("delta").save(os.path.join(out, "requests"))
-        keep = ["_rt", "_req", "imps", *(["snap"] if snap else [])]
-        s = g.groupBy("_user").agg(F.sort_array(F.collect_list(F.struct(*keep))).alias("requests"))
-        s.write.format("delta").save(os.path.join(out, "samples"))
-        g.unpersist()
+        try:
+            g.write.format("delta").save(os.path.join(out, "requests"))
+            keep = ["_rt", "_req", "imps", *(["snap"] if snap else [])]
+            s = g.groupBy("_user").agg(F.sort_array(F.collect_list(F.struct(*keep))).alias("requests"))
+            s.write.format("delta").save(os.path.join(out, "samples"))
+        finally:
+            g.unpersist()
     finally:
         df.unpersist()
     return time.perf_counter() - t
@@ -598,9 +600,9 @@ def print_series(ss: list[dict], cores: int) -> None:
     for s in ss:
         for r in s["sizes"]:
             print(f"{s['label']:>12} {r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>6.1%} "
-                  f"{r['floor_s']:>8.1f} {r['skeleton_s']:>8.1f} {r.get('checked_s', float('nan')):>9.1f} "
+                  f"{r['floor_s']:>8.1f} {r['skeleton_s']:>8.1f} {r['checked_s']:>9.1f} "
                   f"{r['build_s']:>8.1f} {r['ratio']:>10.2f}x {r['skeleton_ratio']:>10.2f}x "
-                  f"{r.get('checked_ratio', float('nan')):>12.2f}x")
+                  f"{r['checked_ratio']:>12.2f}x")
     print(f"\nslopes (least squares over the sizes), µs per impression on {cores} cores, and core-µs "
           f"(x {cores}; Spark's as-of join: about {AS_OF_JOIN_US:.0f} core-µs per row):")
     print(f"{'series':>12} {'build':>8} {'floor':>8} {'least':>8} {'checked':>8} {'build/floor':>11} "

@@ -29,6 +29,7 @@ from userwise import schemas as S
 from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io, storage
+from userwise.pipelines.runtime.spark import session_conf
 from userwise.schemas import IMP, OVR, REQ, SEQ
 from userwise.schemas.layout import input_name
 
@@ -141,7 +142,7 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
     fs.delete_dir_contents(root, missing_dir_ok=True)
     names, schema = output_schema(layout)
     # not INT96: the rewrite reads instants, exactly
-    with delta_io.session_conf(spark, {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}):
+    with session_conf(spark, {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}):
         target = scratch if "://" not in output or output.startswith("file:") else output.rstrip("/") + "/_spark"
         df.select(*[F.col(n) for n in names]).write.mode("overwrite").parquet(target)
     try:

@@ -7,10 +7,10 @@ simply overwrites the same partition.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from userwise.pipelines.runtime import storage
+from userwise.pipelines.runtime.spark import session_conf
 
 TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
 
@@ -204,22 +204,6 @@ def describe(spark, path: str, schema) -> None:
     if todo:
         cols = ", ".join(f"`{f.name}` {COMMENT.upper()} {_sql_string(f.doc)}" for f in todo)
         spark.sql(f"ALTER TABLE delta.`{path}` ALTER COLUMN {cols}")
-
-
-@contextlib.contextmanager
-def session_conf(spark, conf: dict[str, str]):
-    """Set session ``conf`` for the block, then put back what was there (unset what was not)."""
-    before = {k: spark.conf.get(k, None) for k in conf}
-    for k, v in conf.items():
-        spark.conf.set(k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                spark.conf.unset(k)
-            else:
-                spark.conf.set(k, v)
 
 
 CODEC_CONF = {"spark.sql.parquet.compression.codec": CODEC}  # what a MERGE writes with (it takes no options)

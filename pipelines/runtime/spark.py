@@ -7,6 +7,7 @@ the submitted configuration wins and we only add what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -159,3 +160,19 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     if LOG_PATH:
         progress.say(f"Spark's log: {LOG_PATH}")  # errors name it too, with --quiet as well
     return spark
+
+
+@contextlib.contextmanager
+def session_conf(spark, conf: dict[str, str]):
+    """Set session ``conf`` for the block, then put back what was there (unset what was not)."""
+    before = {k: spark.conf.get(k, None) for k in conf}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)

@@ -60,17 +60,11 @@ def shard_digest(shards: str | Path) -> dict[str, str]:
 
 def fast_session_conf(spark):
     """Set FAST_CONF on a live session; returns a function that restores the old values."""
-    old = {k: spark.conf.get(k, None) for k in FAST_CONF}
-    for k, v in FAST_CONF.items():
-        spark.conf.set(k, v)
+    from userwise.pipelines.runtime.spark import session_conf
 
-    def restore():
-        for k, v in old.items():
-            if v is None:
-                spark.conf.unset(k)
-            else:
-                spark.conf.set(k, v)
-    return restore
+    block = session_conf(spark, FAST_CONF)
+    block.__enter__()
+    return lambda: block.__exit__(None, None, None)
 
 
 def submit_conf_args() -> list[str]:
