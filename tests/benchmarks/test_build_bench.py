@@ -43,7 +43,9 @@ def test_build_bench_runs_end_to_end_on_a_tiny_log(tmp_path):
     assert {"ingest_range", "report"} <= steps.keys(), steps.keys()
     assert any(n.endswith("samples") for n in steps) and any(n.startswith("history_") for n in steps), steps.keys()
     assert all(st["jobs"] > 0 for st in steps.values()), {n: st["jobs"] for n, st in steps.items()}
-    assert 0.5 * row["build_s"] < sum(st["wall_s"] for st in steps.values()) <= row["build_s"]
+    # each figure is rounded to 0.01 s: the steps' sum may pass the build's by that rounding alone
+    slack = 0.005 * (len(steps) + 1)
+    assert 0.5 * row["build_s"] < sum(st["wall_s"] for st in steps.values()) <= row["build_s"] + slack
     assert s["slope_ratio"] is None and res["impression"]["verdicts"] == []  # one size: no slope to judge
     # the sparse calendar: each span built and counted, the files per table next to the days
     runs = res["sparse"]["runs"]
