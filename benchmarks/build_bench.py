@@ -190,7 +190,7 @@ class Steps:
 
     @contextlib.contextmanager
     def installed(self):
-        from userwise.pipelines.build import range as B
+        from userwise.pipelines.builder import build as B
 
         saved = {n: getattr(B, n) for n in self.NAMES if hasattr(B, n)}
         saved["History"] = B.History
@@ -265,7 +265,7 @@ def make_log(out: str, kind: str, impressions: int, days: int, L: int, seed: int
     ``input``, ``actions``, ``cfg_path``, ``impressions`` and the bot's measured rows."""
     import pyarrow.compute as pc
 
-    from userwise.pipelines.build.inputs import arrow_dataset
+    from userwise.pipelines.builder.inputs import arrow_dataset
     from userwise.pipelines.tools.synth import synth
 
     params = synth_params(impressions, days, bot_share, users)
@@ -333,8 +333,8 @@ def checked_run(spark, cfg, log_path: str, out: str) -> float:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from userwise.pipelines.build import ingest
-    from userwise.pipelines.build.inputs import read_spark
+    from userwise.pipelines.builder import ingest
+    from userwise.pipelines.builder.inputs import read_spark
 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
@@ -369,7 +369,7 @@ def checked_run(spark, cfg, log_path: str, out: str) -> float:
 def build_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int, steps: Steps | None = None,
               group: str | None = None) -> tuple[float, dict, int]:
     """One range build, timed; returns (seconds, report, Spark jobs of ``group`` when given)."""
-    from userwise.pipelines.build.range import build
+    from userwise.pipelines.builder.build import build
 
     shutil.rmtree(out, ignore_errors=True)
     sc = spark.sparkContext
@@ -441,7 +441,7 @@ def dir_bytes(path: str) -> int:
 
 def byte_report(log_path: str, build_out: str, workdir: str, seed: int) -> dict:
     """Fat rows in training order vs user-wise samples: on disk and decoded in memory."""
-    from userwise.pipelines.build.inputs import arrow_dataset
+    from userwise.pipelines.builder.inputs import arrow_dataset
 
     fat = arrow_dataset(log_path).to_table()
     perm = np.random.default_rng(seed).permutation(fat.num_rows)

@@ -82,10 +82,10 @@ def main(argv=None) -> int:
     import pyarrow.compute as pc
 
     from userwise.pipelines import config as C
-    from userwise.pipelines.build import build_record, daily
-    from userwise.pipelines.build.history import events_between
-    from userwise.pipelines.build.inputs import arrow_dataset
-    from userwise.pipelines.build.range import build
+    from userwise.pipelines.builder import steps
+    from userwise.pipelines.builder.build import build
+    from userwise.pipelines.builder.inputs import arrow_dataset
+    from userwise.pipelines.records import build_record
     from userwise.pipelines.runtime.spark import get_spark
     from userwise.pipelines.tools.synth import synth
 
@@ -118,11 +118,7 @@ def main(argv=None) -> int:
     # The chunking step's plan: the pretrain samples of the build just made (not written).
     _, layout, _ = build_record.load(out)
     boundary = as_of - dt.timedelta(days=args.days - 1)
-    from userwise.pipelines.runtime import delta_io
-
-    events = events_between(cfg, delta_io.read(spark, delta_io.table_path(out, "events")), None, boundary)
-    reqs = daily._requests(spark, out, None, boundary)
-    df = daily._samples_for(cfg, layout, events, reqs, "pretrain", None, boundary)
+    df = steps.samples_frame(spark, cfg, layout, out, [("pretrain", None, boundary)])
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         df.explain()

@@ -2,7 +2,7 @@
 
 The data path, in order (each step is a subpackage; its ``__init__`` says more):
 
-1. :mod:`~userwise.pipelines.build` (Spark + Delta): point-wise impression logs
+1. :mod:`~userwise.pipelines.builder` (Spark + Delta): point-wise impression logs
    become requests, the action stream (events), the user history and user-wise
    samples, with bad rows in quarantine. ``validate`` is its front door
    (no JVM), ``expand`` its way back to point-wise rows.

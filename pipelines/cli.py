@@ -202,23 +202,23 @@ COMMANDS = {
               _synth_args, "userwise.pipelines.tools.synth:cli"),
     "validate": ("check a config against an input as the build would (same errors, no JVM) and warn about "
                  "what a sample of rows would quarantine; writes nothing",
-                 _validate_args, "userwise.pipelines.build.validate:cli"),
+                 _validate_args, "userwise.pipelines.builder.validate:cli"),
     "build": ("build requests, history, samples and quarantine for a date range (Spark + Delta)",
-              _build_args, "userwise.pipelines.build.range:cli"),
+              _build_args, "userwise.pipelines.builder.build:cli"),
     "expand": ("expand user-wise samples back to point-wise rows (the lossless round trip)",
-               _expand_args, "userwise.pipelines.build.expand:cli"),
+               _expand_args, "userwise.pipelines.builder.expand:cli"),
     "requests": ("daily job: build the requests (and quarantine) of one date",
-                 _day_args, "userwise.pipelines.build.daily:requests_cli"),
+                 _day_args, "userwise.pipelines.builder.daily:requests_cli"),
     "history": ("daily job: MERGE one date's actions into the user history",
-                lambda p: _day_args(p, needs_input=False), "userwise.pipelines.build.daily:history_cli"),
+                lambda p: _day_args(p, needs_input=False), "userwise.pipelines.builder.daily:history_cli"),
     "window": ("daily job: build the incremental samples of the window ending after one date",
                lambda p: (_day_args(p, needs_input=False),
                           p.add_argument("--window-days", type=_pos_int, default=1)),
-               "userwise.pipelines.build.daily:window_cli"),
+               "userwise.pipelines.builder.daily:window_cli"),
     "pretrain": ("job: build the pretrain samples (requests before as-of minus M days)",
                  lambda p: (_day_args(p, needs_input=False),
                             p.add_argument("--pretrain-days", type=int, required=True)),
-                 "userwise.pipelines.build.daily:pretrain_cli"),
+                 "userwise.pipelines.builder.daily:pretrain_cli"),
     "preshard": ("pre-shard samples into balanced per-node Parquet shard sets with a manifest",
                  _preshard_args, "userwise.pipelines.shards.preshard:cli"),
     "stage": ("copy one node's shards to local disk, verified and resumable",
@@ -226,9 +226,9 @@ COMMANDS = {
     "diagnose": ("three-step bottleneck test of the loader on one node's shards",
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "backfill": ("run the daily chain day by day over a date range, skipping published days",
-                 _backfill_args, "userwise.pipelines.build.backfill:cli"),
+                 _backfill_args, "userwise.pipelines.manage.backfill:cli"),
     "forget": ("remove users from every table of a build folder and from its shard sets (privacy)",
-               _forget_args, "userwise.pipelines.build.forget:cli"),
+               _forget_args, "userwise.pipelines.manage.forget:cli"),
     "jars": ("fetch Delta's jars into the local cache (Spark's resolver, else Maven)",
              lambda p: None, "userwise.pipelines.runtime.jars:cli"),
 }
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = None
     try:
         if getattr(args, "input_version", None) is not None:
-            from userwise.pipelines.build.inputs import with_version
+            from userwise.pipelines.builder.inputs import with_version
 
             args.input = with_version(args.input, args.input_version)
         if hasattr(args, "conf"):  # a Spark command: its --conf settings, and only these
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
             spark_runtime.CLI_CONF.clear()
             spark_runtime.CLI_CONF.update(dict(args.conf))
-        from userwise.pipelines.build import writer_lock
+        from userwise.pipelines.records import writer_lock
 
         lock = writer_lock.for_command(args.command, args)
         if lock is not None:

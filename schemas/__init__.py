@@ -5,7 +5,10 @@ Each schema is defined once with Arrow types; ``to_spark()`` and
 """
 
 from userwise.schemas.core import (
+    COMPLETE_FORMAT,
     FORMAT_VERSION,
+    GDS_INDEX_FORMAT,
+    PUBLISHED_FORMAT,
     Field,
     SchemaError,
     TableSchema,
@@ -19,6 +22,7 @@ from userwise.schemas.labels import ACTION_BITS, action_bits, decode_action
 from userwise.schemas.layout import EV, IMP, OVR, REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField
 from userwise.schemas.reasons import REASONS
 from userwise.schemas.tables import (
+    BUILD_TABLES,
     HISTORY_LOG,
     MANIFEST_KEYS,
     MANIFEST_SET_KEYS,
@@ -41,10 +45,10 @@ FIXED_TABLES = (SYNTH_IMPRESSIONS, SYNTH_FAT_IMPRESSIONS, SYNTH_ACTIONS, QUARANT
 
 __all__ = [
     "ACTION_BITS", "action_bits", "decode_action",
-    "FORMAT_VERSION", "Field", "SchemaError", "TableSchema", "arrow_to_spark", "check_version", "list_of",
+    "FORMAT_VERSION", "COMPLETE_FORMAT", "PUBLISHED_FORMAT", "GDS_INDEX_FORMAT", "Field", "SchemaError", "TableSchema", "arrow_to_spark", "check_version", "list_of",
     "schema_fingerprint", "spark_to_arrow",
     "EV", "IMP", "OVR", "REQ", "SEQ", "SNAP", "TIME_UNITS", "Layout", "SeqField",
-    "HISTORY_LOG", "MANIFEST_KEYS", "MANIFEST_SET_KEYS", "MANIFEST_SHARD", "QUARANTINE", "SYNTH_ACTIONS",
+    "BUILD_TABLES", "HISTORY_LOG", "MANIFEST_KEYS", "MANIFEST_SET_KEYS", "MANIFEST_SHARD", "QUARANTINE", "SYNTH_ACTIONS",
     "SYNTH_FAT_IMPRESSIONS", "SYNTH_IMPRESSIONS", "SYNTH_SNAPSHOT", "event_fields", "events_schema",
     "history_schema", "requests_schema", "samples_schema", "shard_schema", "sort_key",
     "FIXED_TABLES", "REASONS",

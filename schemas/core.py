@@ -24,6 +24,15 @@ Readers refuse a higher version than they understand (see ``check_version``).
 1: the first format.
 """
 
+# The format versions of the records beside the tables, each read by one module that
+# refuses a version it does not understand. Every format version is spelled here, once.
+COMPLETE_FORMAT = 1
+"""``D/_userwise/complete.json``, the complete state (``records.state``)."""
+PUBLISHED_FORMAT = 1
+"""A published set's marker ``_PUBLISHED.json`` and its record in ``D/_userwise/published/``."""
+GDS_INDEX_FORMAT = 1
+"""The index of a ``.gds`` side file (``shards.gds``)."""
+
 
 COMMENT = "comment"
 """The field-metadata key of a column's description (:attr:`Field.doc`): the key Spark and

@@ -1,7 +1,7 @@
 """Why an input row is quarantined: the one vocabulary of the ``quarantine`` table's ``reason``.
 
 Every reason the build writes is a constant here, with what it means. The build's
-checks (``pipelines/build/ingest.py``) mark rows with these constants, ``userwise
+checks (``pipelines/builder/ingest.py``) mark rows with these constants, ``userwise
 synth`` injects bad rows under these names, the tests' edge-case logs expect them and
 the README lists them; ``tests/schemas/test_reasons.py`` holds all of them to this table.
 

@@ -18,6 +18,10 @@ i8, i32, i64, f32, f64, s, d = pa.int8(), pa.int32(), pa.int64(), pa.float32(), 
 # --------------------------------------------------------------------------
 # Inputs written by `userwise synth` (users map their own logs by config).
 # --------------------------------------------------------------------------
+BUILD_TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
+"""The Delta tables of a build folder, each in ``D/<name>``; their versions make its complete state."""
+
+
 SYNTH_IMPRESSIONS = TableSchema(
     "impressions",
     (

@@ -12,8 +12,6 @@ import os
 from userwise.pipelines.runtime import storage
 from userwise.pipelines.runtime.spark import session_conf
 
-TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
-
 # The Parquet codec of every table written here. Spark's default is snappy; the stored product
 # (the samples) is read far more often than it is written, over networks and from NVMe.
 # zstd makes them about a third smaller than snappy and the build no slower (README, "Tables
@@ -84,6 +82,46 @@ def least(path: str, col: str = "date"):
         acts = acts.filter(pc.fill_null(pc.greater(acts.column("num_records"), 0), True))
     name = next((n for n in (f"partition.{col}", f"min.{col}") if n in acts.column_names), None)
     return pc.min(acts.column(name)).as_py() if name and acts.num_rows else None
+
+
+class commits:
+    """Counts the rows the Delta commits added to ``paths`` after it was made: a step's counter
+    for :func:`userwise.pipelines.runtime.progress.step` (the output rows in each new commit's
+    metrics, read from the tables' logs by delta-rs: no Spark job).
+
+    Example::
+
+        with progress.step("requests", delta_io.commits(table_path(out, "requests"))):
+            replace(df, table_path(out, "requests"), where)
+    """
+
+    def __init__(self, *paths: str):
+        self.since = {p: _version_or_none(p) for p in paths}
+
+    def rows(self) -> int:
+        return sum(_rows_since(p, v) for p, v in self.since.items())
+
+
+def _version_or_none(path: str) -> int:
+    try:
+        return version(None, path) if has_log(path) else -1
+    except Exception:  # noqa: BLE001 - a log delta-rs cannot read: the count is unknown, not an error
+        return -1
+
+
+def _rows_since(path: str, since: int) -> int:
+    from deltalake import DeltaTable as RsTable
+
+    try:
+        t = RsTable(path)
+        new = int(t.version()) - since
+        hist = t.history(new) if new > 0 else []
+    except Exception:  # noqa: BLE001 - as above
+        return 0
+    def added(metrics: dict) -> int:  # Spark's writers name it numOutputRows, delta-rs num_added_rows
+        return int(metrics.get("numOutputRows") or metrics.get("num_added_rows") or 0)
+
+    return sum(added(c.get("operationMetrics") or {}) for c in hist if int(c.get("version", -1)) > since)
 
 
 def arrow_filesystem(path: str):

@@ -7,8 +7,10 @@ one line with the rows it produced and its seconds::
     [userwise] requests          1,234,567 rows     12.3 s
 
 The rows are counts the job already has: a number it computed (``step.rows = n``), or
-the rows of the Delta commits the step added to its ``tables`` (``numOutputRows`` in each
-commit's metrics, read from the table's log): never an extra Spark job. While a step runs
+a counter's, such as the rows of the Delta commits the step added to its tables
+(``delta_io.commits``: ``numOutputRows`` in each commit's metrics, read from the table's
+log): never an extra Spark job. This module imports nothing of the product (the Spark
+session and Delta I/O import it), so it sits at the bottom of ``runtime``. While a step runs
 longer than :data:`BAR_AFTER_S` seconds and stderr is a terminal, a daemon thread polls
 Spark's status tracker and redraws one line with the active stages' finished and total
 tasks, at most every :data:`BAR_EVERY_S` seconds.
@@ -49,29 +51,23 @@ def line(name: str, rows: int | None, seconds: float) -> str:
 
 
 class Step:
-    """A running step: set ``rows`` to the count it produced (else its tables' commits tell)."""
+    """A running step: set ``rows`` to the count it produced (else its counter's, if any)."""
 
-    def __init__(self, name: str, tables: tuple[str, ...]):
+    def __init__(self, name: str, counter=None):
         self.name = name
-        self.tables = tables
+        self.counter = counter
         self.rows: int | None = None
-        self._since = {t: _version(t) for t in tables}
-
-    def committed_rows(self) -> int | None:
-        """Rows written by the commits added to the step's tables since it began."""
-        if not self.tables:
-            return None
-        return sum(_rows_since(t, v) for t, v in self._since.items())
 
 
 @contextmanager
-def step(name: str, tables: tuple[str, ...] | list[str] = (), started: float | None = None):
+def step(name: str, counter=None, started: float | None = None):
     """Time the block as step ``name``; print its line when it ends without an error.
 
-    ``tables``: Delta table paths the step writes; their new commits' ``numOutputRows``
-    are the step's rows unless the block sets ``step.rows``. ``started``: the step's
-    start (``time.monotonic()``) where its work began before the block (building the plan)."""
-    s = Step(name, tuple(tables))
+    ``counter``: made before the block, an object whose ``rows()`` counts what the step
+    produced unless the block sets ``step.rows`` (``delta_io.commits(path, ...)``: the rows of
+    the Delta commits the step adds to its tables). ``started``: the step's start
+    (``time.monotonic()``) where its work began before the block (building the plan)."""
+    s = Step(name, counter)
     t0 = time.monotonic() if started is None else started
     bar = None
     with _lock:
@@ -87,33 +83,8 @@ def step(name: str, tables: tuple[str, ...] | list[str] = (), started: float | N
             bar.stop()
         with _lock:
             _stack.pop()
-    rows = s.rows if s.rows is not None else s.committed_rows()
+    rows = s.rows if s.rows is not None else (counter.rows() if counter is not None else None)
     say(line(name, rows, time.monotonic() - t0))
-
-
-# ---------------------------------------------------------------------------
-# Delta commit metrics (the table's log, through delta-rs: no Spark job)
-# ---------------------------------------------------------------------------
-def _version(path: str) -> int:
-    from userwise.pipelines.runtime import delta_io
-
-    try:
-        return delta_io.version(None, path) if delta_io.has_log(path) else -1
-    except Exception:  # noqa: BLE001 - a log delta-rs cannot read: the count is unknown, not an error
-        return -1
-
-
-def _rows_since(path: str, since: int) -> int:
-    from deltalake import DeltaTable as RsTable
-
-    try:
-        t = RsTable(path)
-        new = int(t.version()) - since
-        hist = t.history(new) if new > 0 else []
-    except Exception:  # noqa: BLE001 - as above
-        return 0
-    return sum(int((c.get("operationMetrics") or {}).get("numOutputRows") or 0)
-               for c in hist if int(c.get("version", -1)) > since)
 
 
 # ---------------------------------------------------------------------------

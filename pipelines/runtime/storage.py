@@ -297,9 +297,14 @@ def remove(url: str) -> None:
 
 
 def create_exclusive(url: str, data: bytes) -> bool:
-    """Create ``url`` holding ``data`` unless it exists; False when it does (atomic on a
-    local filesystem and on HDFS, whose name node creates a file once: WebHDFS
-    ``CREATE`` with ``overwrite=false``)."""
+    """Create ``url`` holding ``data`` unless it exists; False when it does.
+
+    Atomic on a local filesystem, on HDFS (its name node creates a file once: WebHDFS
+    ``CREATE`` with ``overwrite=false``) and on S3 (``s3://``, ``s3a://``) where boto3 is
+    installed: one ``PutObject`` with ``If-None-Match: *``, which S3 applies only when no
+    object has the key (412 otherwise), with the ``AWS_*`` variables' credentials and
+    ``AWS_ENDPOINT_URL``. Without boto3, and on other object stores, it checks then writes:
+    two writers that both check before either writes both get True."""
     if is_local(url):
         p = local_path(url)
         try:
@@ -309,6 +314,10 @@ def create_exclusive(url: str, data: bytes) -> bool:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return True
+    if urlsplit(str(url)).scheme in _S3_SCHEMES:
+        created = _s3_create_once(str(url), data)
+        if created is not None:
+            return created
     fs, p = filesystem(url)
     web = _raw_webhdfs(fs)
     if web is not None:
@@ -318,6 +327,59 @@ def create_exclusive(url: str, data: bytes) -> bool:
     with fs.open_output_stream(p) as fh:  # object stores: no exclusive create; check, then write
         fh.write(data)
     return True
+
+
+_S3_SCHEMES = ("s3", "s3a", "s3n")
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_client(endpoint: str | None, region: str | None, key: str | None):
+    """A boto3 S3 client for these settings (boto3 reads the credentials from the same
+    ``AWS_*`` variables); None without boto3. Keyed by the settings, so a changed
+    environment gets a new client."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        return None
+    return boto3.client("s3", endpoint_url=endpoint or None, region_name=region or None,
+                        config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+
+
+def _s3_create_once(url: str, data: bytes) -> bool | None:
+    """``PutObject`` with ``If-None-Match: *``: True when this call created the object, False
+    when one was there; None when this process cannot make the request (no boto3), or the
+    store does not implement conditional writes (501), for the caller's check-then-write."""
+    client = _s3_client(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+                        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+                        os.environ.get("AWS_ACCESS_KEY_ID"))
+    if client is None:
+        return None
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    u = urlsplit(url)
+    bucket, key = u.netloc, u.path.lstrip("/")
+    attempt = 0
+    while True:
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 412 or err.get("Code") == "PreconditionFailed":
+                return False
+            if status == 501 or err.get("Code") == "NotImplemented":
+                return None
+            attempt += 1
+            if status == 409 and attempt < 5:  # ConditionalRequestConflict: a racing write of the key; again
+                import time
+
+                time.sleep(0.05 * attempt)
+                continue
+            raise OSError(f"{url}: cannot create it on S3 ({err.get('Code')}: {err.get('Message')})") from None
+        except BotoCoreError as e:
+            raise OSError(f"{url}: cannot reach S3 ({e})") from None
 
 
 def _raw_webhdfs(fs):

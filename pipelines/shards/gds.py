@@ -40,10 +40,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from userwise.pipelines.errors import ShardError
+from userwise.schemas.core import GDS_INDEX_FORMAT
 
 MAGIC = b"UWGDS001"
 ALIGN = 4096
-FORMAT_VERSION = 1
+FORMAT_VERSION = GDS_INDEX_FORMAT
 
 __all__ = ["MAGIC", "ALIGN", "write_side_file", "read_index", "read_host", "read_device", "side_path"]
 

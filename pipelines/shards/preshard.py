@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import InputError, UserwiseError
+from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance
 from userwise.pipelines.shards import manifest as mf
@@ -566,7 +566,7 @@ def samples_table(samples: str) -> tuple[str, str]:
         return d, storage.join(d, "samples")
     if delta_io.has_log(d):
         return d.rsplit("/", 1)[0], d
-    completion.complete_state(d)  # a build that died before writing samples is named, not a missing table
+    state.complete_state(d)  # a build that died before writing samples is named, not a missing table
     raise InputError(f"--samples {samples}: no Delta table at {d}/samples; pass the output folder of "
                      "`userwise build`")
 
@@ -589,7 +589,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     build_dir, path = samples_table(samples)
     _, build_layout, record = build_record.load(build_dir)
     # the folder's complete state: a build or daily job still running, or killed, is not read
-    version = completion.version_of(build_dir, "samples")
+    version = state.version_of(build_dir, "samples")
     df = delta_io.read(spark, path, version)
     if kind:
         df = df.where(F.col("kind") == kind)

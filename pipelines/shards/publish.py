@@ -45,13 +45,14 @@ import sys
 
 import pyarrow.fs as pafs
 
-from userwise.pipelines.build import completion
-from userwise.pipelines.build.completion import write_json
 from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.records import published, state
+from userwise.pipelines.records.state import write_json
 from userwise.pipelines.runtime import storage
 from userwise.pipelines.shards import manifest as mf
+from userwise.schemas.core import PUBLISHED_FORMAT
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = PUBLISHED_FORMAT
 MARKER = "_PUBLISHED.json"
 
 
@@ -82,18 +83,9 @@ def set_root(shards: str, key: str) -> str:
     return storage.join(storage.absolute(shards), key)
 
 
-def record_path(output: str, kind: str, key_date) -> str:
-    return storage.join(storage.absolute(output), "_userwise", "published", kind, f"{_d(key_date).isoformat()}.json")
-
-
-def read_record(output: str, kind: str, key_date) -> dict | None:
-    data = storage.read_bytes(record_path(output, kind, key_date))
-    return None if data is None else json.loads(data)
-
-
 def is_published(output: str, kind: str, key_date, shards: str | None = None) -> bool:
     """True when the record exists and (with shards) its set is in place unchanged."""
-    rec = read_record(output, kind, key_date)
+    rec = published.read(output, kind, key_date)
     if rec is None:
         return False
     if shards is None:
@@ -109,7 +101,7 @@ def is_published(output: str, kind: str, key_date, shards: str | None = None) ->
 
 def unpublish(output: str, kind: str, key_date, shards: str | None = None) -> None:
     """Remove the day's record (first) and its set's marker: the day reads as not published."""
-    storage.remove(record_path(output, kind, key_date))
+    published.remove(output, kind, key_date)
     if shards:
         storage.remove(storage.join(set_root(shards, set_key(kind, date=key_date, as_of=key_date)), MARKER))
 
@@ -170,7 +162,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     if kind == "pretrain" and as_of is None:
         raise UserwiseError("publish --kind pretrain needs --as-of")
     key = set_key(kind, date=date, as_of=as_of)
-    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": completion.complete_state(output)["tables"], "shards": None}
+    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": state.complete_state(output)["tables"], "shards": None}
     if kind == "incremental":
         ws, we = window_of(date, window_days)
         rec.update(date=_d(date).isoformat(), window_start=ws.isoformat(), window_end=we.isoformat(),
@@ -191,7 +183,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     key_date = date if kind == "incremental" else as_of
     if shards:
         write_json(storage.join(set_root(shards, key), MARKER), rec)
-    write_json(record_path(output, kind, key_date), rec)  # last: the day counts as published from here
+    published.write(output, kind, key_date, rec)  # last: the day counts as published from here
     return rec
 
 

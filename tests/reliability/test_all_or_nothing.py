@@ -18,8 +18,8 @@ import time
 import pyarrow as pa
 import pytest
 
-from userwise.pipelines.build import completion, writer_lock
-from userwise.pipelines.build import range as build_range
+from userwise.pipelines.builder import build as build_range
+from userwise.pipelines.records import state, writer_lock
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.shards import manifest as mf
 
@@ -128,7 +128,7 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
     got, want = tables(str(out)), tables(str(clean))
     for t in TABLES:  # compared as Python values, where NaN labels and scores equal themselves
         assert got[t].schema == want[t].schema and repr(got[t].to_pylist()) == repr(want[t].to_pylist()), t
-    rec = completion.complete_state(str(out))
+    rec = state.complete_state(str(out))
     assert rec["job"] == "build" and set(TABLES) <= set(rec["tables"])
 
 
@@ -141,12 +141,12 @@ def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_pa
     # A window job runs (it holds the lock and is marked running) and has committed half its work.
     lock = writer_lock.WriterLock(out, "window").acquire()
     try:
-        completion.begin(out, "window", date="2026-01-03")
+        state.begin(out, "window", date="2026-01-03")
         from deltalake import DeltaTable
 
         DeltaTable(os.path.join(out, "samples")).delete("kind = 'pretrain'")
         assert delta_io.table_bytes(os.path.join(out, "samples")) < delta_io.table_bytes(
-            os.path.join(out, "samples"), version=completion.version_of(out, "samples"))
+            os.path.join(out, "samples"), version=state.version_of(out, "samples"))
         run(*args, "--output", str(tmp_path / "during"))
         assert shard_digest(tmp_path / "during") == before  # the previous complete state, byte for byte
     finally:

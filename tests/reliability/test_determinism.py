@@ -17,7 +17,7 @@ import os
 import polars as pl
 import pytest
 
-from tests.build.test_roundtrip import build_argv, run_cli
+from tests.builder.test_roundtrip import build_argv, run_cli
 from tests.support import edgegen as E
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.shards import manifest as mf

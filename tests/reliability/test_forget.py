@@ -1,4 +1,4 @@
-"""Forgetting users (pipelines/build/forget.py): after `userwise forget`, no row of a forgotten user
+"""Forgetting users (pipelines/manage/forget.py): after `userwise forget`, no row of a forgotten user
 remains in any current table or shard, every other row is unchanged, the shard sets verify and a
 published set stays published; with --vacuum no file under the build folder holds them any more.
 
@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from userwise.pipelines import cli
-from userwise.pipelines.build import build_record, completion, forget
+from userwise.pipelines.manage import forget
+from userwise.pipelines.records import build_record, published, state
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards import publish
@@ -145,8 +146,8 @@ def test_forget_removes_the_users_from_every_table_and_leaves_every_other_row(wo
     # The heavy user's chunks are all gone; the other users' samples are the same samples.
     smp = forgotten["after"]["samples"]
     assert not users & {str(u) for u in smp.column("user").to_pylist()}
-    rec = json.loads(Path(completion.record_path(str(world["d"]))).read_text())
-    assert rec["job"] == "forget" and rec["tables"] == completion.table_versions(str(world["d"]))
+    rec = json.loads(Path(state.record_path(str(world["d"]))).read_text())
+    assert rec["job"] == "forget" and rec["tables"] == state.table_versions(str(world["d"]))
     assert rep["versions"] == rec["tables"]
 
 
@@ -175,7 +176,7 @@ def test_forget_rewrites_the_shards_that_held_the_users_and_keeps_the_rest(world
         assert not [p for p in Path(root).parent.iterdir() if ".forget-" in p.name]  # no copy left behind
     # The published window is still published: marker and record carry the new manifest checksum.
     assert publish.is_published(str(world["d"]), "incremental", DAY, str(world["s"]))
-    rec = publish.read_record(str(world["d"]), "incremental", DAY)
+    rec = published.read(str(world["d"]), "incremental", DAY)
     assert rec["shards"]["rows"] == sum(len(t) for t in forgotten["sets"][rec["shards"]["root"]].values())
 
 
@@ -201,7 +202,7 @@ def test_forget_is_idempotent_and_vacuum_deletes_the_old_files(world, forgotten)
 @pytest.mark.slow
 def test_bad_users_file_is_one_error_line_and_changes_nothing(world, forgotten, tmp_path):
     d = world["d"]
-    versions = completion.table_versions(str(d))
+    versions = state.table_versions(str(d))
     for text, expect in (("12\nnot-a-user\n", "'not-a-user' is not a user id of this build"),
                          ("# nobody\n\n", "holds no user id")):
         f = tmp_path / "u.txt"
@@ -213,7 +214,7 @@ def test_bad_users_file_is_one_error_line_and_changes_nothing(world, forgotten, 
     assert rc == 2 and "cannot read it" in err
     rc, _, err = run(["forget", "--output", tmp_path / "nothing", "--users", world["file"]])
     assert rc == 2 and "not a userwise build folder" in err
-    assert completion.table_versions(str(d)) == versions
+    assert state.table_versions(str(d)) == versions
 
 
 # ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from tests.build.test_roundtrip import assert_same_rows, build_argv, oracle_for, run_cli
+from tests.builder.test_roundtrip import assert_same_rows, build_argv, oracle_for, run_cli
 from tests.support import edgegen as E
 from tests.support import oracle as O
 from tests.support.common import config

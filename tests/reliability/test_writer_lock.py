@@ -1,4 +1,4 @@
-"""One writer per build folder (pipelines/build/writer_lock.py): a second writer fails at once with
+"""One writer per build folder (pipelines/records/writer_lock.py): a second writer fails at once with
 one line naming the running job and changes nothing; stale locks are taken over; the daily
 `requests` jobs of different dates may run side by side."""
 
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from userwise.pipelines.build import writer_lock as W
 from userwise.pipelines.cli import main
+from userwise.pipelines.records import writer_lock as W
 
 HOST = socket.gethostname()
 

@@ -21,7 +21,7 @@ import yaml
 
 from tests.support import edgegen
 from userwise.pipelines import cli
-from userwise.pipelines.build import completion
+from userwise.pipelines.records import state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards import publish, stage
@@ -150,7 +150,7 @@ def test_backfill_and_the_daily_jobs_on_hdfs_equal_the_range_build(spark, store,
     assert cli.main(["window", *day, "--window-days", str(N)]) == 0
     assert cli.main(["pretrain", "--config", cfg, "--output", out, "--date", str(as_of), "--pretrain-days", str(M),
                      *conf]) == 0
-    assert completion.complete_state(out)["job"] == "pretrain"
+    assert state.complete_state(out)["job"] == "pretrain"
     assert publish.is_published(out, "incremental", last - dt.timedelta(days=1))  # the backfill's own days
     keys = delta_io.read(spark, delta_io.table_path(local, "samples")).select("kind", "window_end").distinct()
     sets = " OR ".join(f"(kind = '{r.kind}' AND window_end = '{r.window_end}')" for r in keys.collect())
@@ -163,7 +163,7 @@ def test_backfill_and_the_daily_jobs_on_hdfs_equal_the_range_build(spark, store,
 
 
 def test_lock_on_hdfs_is_exclusive(store):
-    from userwise.pipelines.build import writer_lock
+    from userwise.pipelines.records import writer_lock
 
     out = f"{store.url}/locktest"
     with writer_lock.WriterLock(out, "build"):
@@ -293,9 +293,9 @@ def test_publish_moves_a_set_into_place_on_hdfs(store):
 
     out, shards = f"{store.url}/pub/D", f"{store.url}/pub/S"
     storage.write_bytes(f"{out}/samples/_delta_log/{0:020d}.json", b"{}")  # a samples table at version 0
-    from userwise.pipelines.build import completion
+    from userwise.pipelines.records import state
 
-    completion.finish(out, "build")  # what a finished build leaves last: publish records its versions
+    state.finish(out, "build")  # what a finished build leaves last: publish records its versions
     key = publish.set_key("incremental", date="2026-01-04")
     for seed in (1, 2):
         preshard.preshard_arrow(build_samples(seed=seed), publish.staging_root(shards, key),
@@ -388,7 +388,7 @@ def test_forget_on_hdfs_removes_the_users_from_every_table_and_shard_set(spark, 
     assert before == _shard_rows(lset)  # preshard of either build: the same rows
     assert cli.main(["forget", "--output", remote, "--users", f"{store.url}/forget/users.txt",
                      "--shards", f"{store.url}/shards"]) == 0
-    assert completion.complete_state(remote)["job"] == "forget"
+    assert state.complete_state(remote)["job"] == "forget"
     inputs = (lg.impressions, lg.actions)
     keep = "user NOT IN (401, 402)"
     for t in ("requests", "events", "history", "samples"):

@@ -78,7 +78,7 @@ def test_a_build_through_spark_submit_on_the_cluster_equals_local_mode(cluster, 
     equal the same build's in local mode. The point is the Delta jobs on executors that
     import only the shipped zip (the daily jobs through spark-submit run in the DAG test).
     """
-    from tests.build.test_roundtrip import run_cli
+    from tests.builder.test_roundtrip import run_cli
 
     data = synth(tmp_path / "synth", days=2)
     args = ["--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--as-of", DAYS[2],

@@ -14,7 +14,7 @@ import pyarrow.dataset as pds
 import pyarrow.fs as pafs
 import pytest
 
-from userwise.pipelines.build import inputs
+from userwise.pipelines.builder import inputs
 from userwise.pipelines.runtime import delta_io
 
 

@@ -32,7 +32,7 @@ def test_publish_job_delegates():
 
 
 def test_backfill_handler_is_wired():
-    assert cli.COMMANDS["backfill"][2] == "userwise.pipelines.build.backfill:cli"
+    assert cli.COMMANDS["backfill"][2] == "userwise.pipelines.manage.backfill:cli"
 
 
 def test_pyfiles_zip_imports_where_the_wheel_alone_does_not(tmp_path):

@@ -39,22 +39,31 @@ def test_a_failed_step_prints_no_line_and_quiet_prints_none(capsys, monkeypatch)
     assert capsys.readouterr().err == ""
 
 
-def test_rows_of_a_step_come_from_the_commits_it_added(tmp_path, capsys, monkeypatch):
-    """The rows a step writes: the numOutputRows of the Delta commits made while it ran."""
-    got = {}
+def test_rows_of_a_step_come_from_its_counter(capsys):
+    """A step without its own count prints its counter's rows (made before the block runs)."""
+    class Counter:
+        def rows(self):
+            return 42
 
-    def fake_version(path):
-        return got.setdefault(path, 4)
-
-    def fake_rows(path, since):
-        assert since == 4
-        return {"a": 10, "b": 32}[path]
-
-    monkeypatch.setattr(progress, "_version", fake_version)
-    monkeypatch.setattr(progress, "_rows_since", fake_rows)
-    with progress.step("events", ["a", "b"]):
+    with progress.step("events", Counter()):
         pass
     assert LINE.match(capsys.readouterr().err.strip()).group(2) == "42"
+
+
+def test_commits_count_the_rows_of_the_delta_commits_added_since_it_was_made(tmp_path):
+    """``delta_io.commits``: numOutputRows of the commits made after it, from the table's log."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from userwise.pipelines.runtime import delta_io
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_deltalake(a, pa.table({"x": list(range(5))}))
+    counter = delta_io.commits(a, b)  # b does not exist yet
+    write_deltalake(a, pa.table({"x": list(range(10))}), mode="append")
+    write_deltalake(b, pa.table({"x": list(range(32))}))
+    assert counter.rows() == 42
+    assert delta_io.commits(a, b).rows() == 0
 
 
 def test_the_bar_draws_the_active_stages_tasks_on_a_terminal_and_clears_itself(monkeypatch):

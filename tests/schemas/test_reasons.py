@@ -1,6 +1,6 @@
 """Quarantine reasons: one vocabulary (schemas/reasons.py) used by the build, synth, the
 edge-case logs and the docs. (That every reason a real build writes is in it is checked
-on the build's own quarantine, in tests/build/test_roundtrip.py.)"""
+on the build's own quarantine, in tests/builder/test_roundtrip.py.)"""
 
 import ast
 import re
@@ -25,7 +25,7 @@ def test_every_reason_is_a_constant_with_its_meaning():
 def test_ingest_marks_rows_with_the_vocabulary_and_emits_all_of_it():
     """ingest names every reason through the constants (an unknown R.NAME fails here, a
     literal reason would bypass the vocabulary), and no reason is defined that nothing emits."""
-    tree = ast.parse((ROOT / "pipelines/build/ingest.py").read_text())
+    tree = ast.parse((ROOT / "pipelines/builder/ingest.py").read_text())
     used = {n.attr for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "R"}
     assert used - {"REASONS"} <= set(CONSTANTS), used - set(CONSTANTS)

@@ -120,7 +120,7 @@ def test_a_build_folder_of_an_older_format_is_refused_with_a_way_out(tmp_path):
     no longer writes, so the jobs refuse such a folder by name instead of failing in a write."""
     import json as _json
 
-    from userwise.pipelines.build import build_record
+    from userwise.pipelines.records import build_record
 
     lean, _ = layouts()
     build_record.save(str(tmp_path), C.parse(LEAN_CFG), lean)
@@ -137,7 +137,7 @@ def test_a_build_folder_of_an_older_format_is_refused_with_a_way_out(tmp_path):
 def test_build_record_is_read_in_one_place_with_errors_a_user_can_act_on(tmp_path):
     """``build_record.load`` is the one reader of build.json (daily, expand, preshard): every
     bad record is an InputError (one line on the CLI), never a traceback."""
-    from userwise.pipelines.build import build_record
+    from userwise.pipelines.records import build_record
 
     with pytest.raises(InputError, match="not a userwise build folder"):
         build_record.load(str(tmp_path))
@@ -165,7 +165,7 @@ def test_an_input_whose_schema_changed_since_the_build_is_refused(tmp_path):
     refused before it writes (one line naming the column), not failed in a Delta write."""
     import pyarrow as pa
 
-    from userwise.pipelines.build import build_record
+    from userwise.pipelines.records import build_record
 
     cfg = C.parse(LEAN_CFG)
     base = S.SYNTH_IMPRESSIONS.to_arrow()
@@ -196,11 +196,10 @@ def test_every_column_of_the_published_tables_carries_its_description():
     """Each field's doc is its description in every form: the Arrow field metadata (what
     delta-rs writes as the Delta comment), the Spark StructField metadata (what Delta
     writes from Spark) and the Delta schema, under the key Spark and Delta use for comments."""
-    from userwise.pipelines.runtime import delta_io
     from userwise.schemas.core import COMMENT
 
     tables = published_tables()
-    assert {t.name for t in tables} == set(delta_io.TABLES)
+    assert {t.name for t in tables} == set(S.BUILD_TABLES)
     for t in tables:
         for f in t.fields:
             assert f.doc.strip(), (t.name, f.name)

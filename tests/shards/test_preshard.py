@@ -21,8 +21,8 @@ import pytest
 from tests.support.common import LEAN_CFG
 from userwise import schemas
 from userwise.pipelines import cli, config
-from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.records import build_record, state
 from userwise.pipelines.shards import balance, preshard
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import BOT, BUILD_START, build_samples, layout, write_shard_set
@@ -42,7 +42,7 @@ def write_build(spark, build_dir: str, **kw) -> pa.Table:
     (df.repartition(3).write.format("delta").mode("overwrite").partitionBy(*sch.partition_by)
      .save(os.path.join(build_dir, "samples")))
     build_record.save(build_dir, cfg, lay, as_of=str(BUILD_START + dt.timedelta(days=3)))
-    completion.finish(build_dir, "build")  # what a finished build leaves last: readers require it
+    state.finish(build_dir, "build")  # what a finished build leaves last: readers require it
     return table
 
 

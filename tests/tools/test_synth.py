@@ -16,7 +16,7 @@ import pytest
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.build import inputs
+from userwise.pipelines.builder import inputs
 from userwise.pipelines.cli import main
 from userwise.pipelines.tools import synth as Y
 

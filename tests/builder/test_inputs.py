@@ -177,7 +177,7 @@ def corpus(tmp_path_factory) -> dict:
 # validate: every form reads, without a JVM
 # --------------------------------------------------------------------------
 def test_every_form_validates_and_reads_the_input_own_schema(corpus, tmp_path):
-    from userwise.pipelines.build import inputs
+    from userwise.pipelines.builder import inputs
 
     for name in ("delta", "odd", "reset-user"):
         spec, cfg, *_ = corpus[name]
@@ -263,7 +263,7 @@ def test_round_trip_matches_the_oracle_and_the_input_types(name, corpus, built):
     diff = O.frame_diff(got, want)
     assert diff == [], "\n".join(diff)
     # the input's own Arrow types, timestamp units and zones included
-    from userwise.pipelines.build import inputs
+    from userwise.pipelines.builder import inputs
 
     own = inputs.input_schema(spec)
     back = pq.read_table(x).schema
@@ -317,7 +317,7 @@ def test_daily_reset_ids_conflict_unless_request_scope_is_user(scope, corpus, bu
 def test_a_file_system_only_spark_reads_is_read_through_spark(spark, corpus, monkeypatch):
     """Where pyarrow cannot open the input's file system (s3a://, hdfs:// without libhdfs),
     the build resolves and reads the input through Spark's Hadoop file systems."""
-    from userwise.pipelines.build import inputs
+    from userwise.pipelines.builder import inputs
 
     d = corpus["_dir"]
     specs = {f"{d / 'hive'},{d / 'reset.parquet'}": 96, f"{d / 'delta'}@v0": 48}
@@ -385,7 +385,7 @@ def _fault_cases(d: Path) -> dict:
 
 
 def test_a_dominant_quarantine_reason_names_its_config_key():
-    from userwise.pipelines.build import ingest
+    from userwise.pipelines.builder import ingest
 
     assert ingest.limit_hint({"bad_time": 97, "null_user": 3}) == \
         "; 97% of them are bad_time: check min_year, max_year and time_unit"

@@ -10,11 +10,12 @@ Modules, in the order a build runs them:
 - ``fat_rows``: legacy logs whose impressions carry a snapshot: stitch, align, overrides.
 - ``history``: every window's stream and the history as of any date, derived from the
   events; the history table (newest H events per user) kept by a daily MERGE.
-- ``daily``: the daily steps (requests, history, window, pretrain).
-- ``range``: ``userwise build``: every day before as-of in a fixed number of jobs.
-- ``backfill``: the daily chain's tables over a date range in one go, then publishing per day.
-- ``build_record``: ``D/_userwise/build.json`` (config, input schema, roles).
+- ``steps``: the chain's steps that the range build and the daily jobs share (ingest a
+  range of days; the samples of many sets from one plan).
+- ``build``: ``userwise build``: every day before as-of in a fixed number of jobs.
+- ``daily``: the daily jobs (requests, history, window, pretrain), one day or set each.
 - ``expand``: user-wise samples back to point-wise rows (the lossless round trip).
 
-Only the Spark steps import pyspark, and only when they run.
+The build folder's records (``build.json``, the complete state, locks) are
+:mod:`userwise.pipelines.records`. Only the Spark steps import pyspark, and only when they run.
 """

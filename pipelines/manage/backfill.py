@@ -8,7 +8,7 @@ Spark jobs (cost grows with the data, not with the days):
 2. the history as of the end of D2, derived from the events: one job (each
    day logged in ``history_log``);
 3. every day's window [d + 1 - N, d + 1): one plan, one commit
-   (:func:`daily.set_samples`, windows may overlap);
+   (:func:`steps.set_samples`, windows may overlap);
 
 then per day, in order, preshard (into S/_staging/...) and publish. The tables
 equal the daily jobs run one by one (tested).
@@ -32,9 +32,12 @@ import json
 import sys
 import time
 
+from userwise.pipelines.builder import daily, steps
+from userwise.pipelines.builder.history import History
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, progress
-from userwise.pipelines.shards import publish
+from userwise.pipelines.shards import preshard, publish
 
 
 def days(date_from, date_to) -> list[dt.date]:
@@ -44,57 +47,51 @@ def days(date_from, date_to) -> list[dt.date]:
     return [a + dt.timedelta(days=i) for i in range((b - a).days + 1)]
 
 
-def preshard_argv(output: str, staging: str, window_end: dt.date, nodes: int, ranks: int,
-                  window_days: int = 1) -> list[str]:
-    return ["preshard", "--samples", output, "--output", staging, "--nodes", str(nodes),
-            "--ranks-per-node", str(ranks), "--kind", "incremental", "--window", window_end.isoformat(),
-            "--window-days", str(window_days)]
+def publish_day(spark, *, output: str, date: dt.date, shards: str | None, window_days: int = 1, nodes: int = 1,
+                ranks_per_node: int = 1, built: bool = True) -> dict:
+    """Pre-shard the day's window into ``S/_staging/...`` (when ``shards`` is given and the day
+    was built), then publish it: the set moved into place, the day's record written last."""
+    if shards and built:
+        key = publish.set_key("incremental", date=date)
+        preshard.preshard(spark, samples=output, output=publish.staging_root(shards, key), nodes=nodes,
+                          ranks_per_node=ranks_per_node, kind="incremental",
+                          window=publish.window_of(date)[1].isoformat(), window_days=window_days)
+    return publish.publish(output, kind="incremental", date=date, shards=shards if built else None,
+                           window_days=window_days)
+
+
+def _log_published(log, date: dt.date, rec: dict, t0: float) -> None:
+    log(json.dumps({"date": date.isoformat(), "status": "built", "seconds": round(time.monotonic() - t0, 1),
+                    "tables": rec["tables"], "shards": (rec["shards"] or {}).get("root")}))
 
 
 def run_day(spark, cfg, *, input_path: str, output: str, date: dt.date, actions_path: str | None = None,
             shards: str | None = None, window_days: int = 1, nodes: int = 1, ranks_per_node: int = 1,
             log=print) -> dict:
-    """One day's chain; returns the published record."""
-    from userwise.pipelines import cli
-    from userwise.pipelines.build import daily
-
+    """One day's chain (the daily DAG's order); returns the published record."""
     t0 = time.monotonic()
-    steps = {}
-    steps["requests"] = daily.requests_day(spark, cfg, input_path, output, date, actions_path=actions_path)
-    steps["history"] = daily.history_day(spark, cfg, output, date)
-    steps["window"] = daily.window_day(spark, cfg, output, date, window_days)
-    built = steps["window"] is not None
-    if shards and built:
-        key = publish.set_key("incremental", date=date)
-        staging = publish.staging_root(shards, key)
-        rc = cli.main(preshard_argv(output, staging, publish.window_of(date)[1], nodes, ranks_per_node,
-                                       window_days))
-        if rc:
-            raise UserwiseError(f"preshard of {key} into {staging} failed (exit {rc}); fix it and rerun the "
-                                "backfill: it resumes from this day")
-    rec = publish.publish(output, kind="incremental", date=date, shards=shards if built else None,
-                          window_days=window_days)
-    log(json.dumps({"date": date.isoformat(), "status": "built", "seconds": round(time.monotonic() - t0, 1),
-                    "tables": rec["tables"], "shards": (rec["shards"] or {}).get("root")}))
+    daily.requests_day(spark, cfg, input_path, output, date, actions_path=actions_path)
+    daily.history_day(spark, cfg, output, date)
+    built = daily.window_day(spark, cfg, output, date, window_days) is not None
+    rec = publish_day(spark, output=output, date=date, shards=shards, window_days=window_days, nodes=nodes,
+                      ranks_per_node=ranks_per_node, built=built)
+    _log_published(log, date, rec, t0)
     return rec
 
 
 def build_days(spark, cfg, *, input_path: str, output: str, first: dt.date, last: dt.date,
                actions_path: str | None = None, window_days: int = 1, log=print) -> dict:
     """The tables of days [first, last] in one go: requests, history, every day's window."""
-    from userwise.pipelines.build import build_record, completion, daily
-    from userwise.pipelines.build.history import History
-
     t0 = time.monotonic()
-    with completion.job(output, "backfill", input=input_path, from_=first.isoformat(), to=last.isoformat(),
+    with state.job(output, "backfill", input=input_path, from_=first.isoformat(), to=last.isoformat(),
                         window_days=window_days, actions=actions_path):
-        ing = daily.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
+        ing = steps.ingest_range(spark, cfg, input_path, output, first, last + dt.timedelta(days=1), actions_path)
         _, layout, meta = build_record.load(output)
-        with progress.step("history", [delta_io.table_path(output, "history")]):
+        with progress.step("history", delta_io.commits(delta_io.table_path(output, "history"))):
             hist = History(spark, cfg, layout, output).update_range(first, last, meta.get("retention_days") or 37)
         wins = [("incremental", d + dt.timedelta(days=1 - window_days), d + dt.timedelta(days=1))
                 for d in days(first, last)]
-        sets = daily.set_samples(spark, cfg, layout, output, wins)
+        sets = steps.set_samples(spark, cfg, layout, output, wins)
     log(json.dumps({"from": first.isoformat(), "to": last.isoformat(), "status": "tables built",
                     "seconds": round(time.monotonic() - t0, 1), "requests": ing.counts,
                     "history": hist, "samples": sum(s["samples"] for s in sets)}, default=str))
@@ -105,8 +102,6 @@ def backfill(spark, cfg, *, date_from, date_to, input_path: str, output: str, ac
              shards: str | None = None, window_days: int = 1, nodes: int = 1, ranks_per_node: int = 1,
              force: bool = False, log=print) -> dict:
     """Run the range; returns {"built": [...], "skipped": [...]} (ISO dates)."""
-    from userwise.pipelines import cli
-
     out = {"built": [], "skipped": []}
     todo = days(date_from, date_to)
     while todo and not force and publish.is_published(output, "incremental", todo[0], shards):
@@ -121,17 +116,9 @@ def backfill(spark, cfg, *, date_from, date_to, input_path: str, output: str, ac
                actions_path=actions_path, window_days=window_days, log=log)
     for d in todo:
         t0 = time.monotonic()
-        if shards:
-            key = publish.set_key("incremental", date=d)
-            staging = publish.staging_root(shards, key)
-            rc = cli.main(preshard_argv(output, staging, publish.window_of(d)[1], nodes, ranks_per_node,
-                                        window_days))
-            if rc:
-                raise UserwiseError(f"preshard of {key} into {staging} failed (exit {rc}); fix it and rerun the "
-                                    "backfill: it resumes from this day")
-        rec = publish.publish(output, kind="incremental", date=d, shards=shards, window_days=window_days)
-        log(json.dumps({"date": d.isoformat(), "status": "built", "seconds": round(time.monotonic() - t0, 1),
-                        "tables": rec["tables"], "shards": (rec["shards"] or {}).get("root")}))
+        rec = publish_day(spark, output=output, date=d, shards=shards, window_days=window_days, nodes=nodes,
+                          ranks_per_node=ranks_per_node)
+        _log_published(log, d, rec, t0)
         out["built"].append(d.isoformat())
     return out
 
@@ -140,7 +127,7 @@ def cli(args) -> int:
     import os
 
     from userwise.pipelines import config
-    from userwise.pipelines.build import validate
+    from userwise.pipelines.builder import validate
     from userwise.pipelines.runtime.spark import get_spark
 
     if not os.environ.get("PYSPARK_GATEWAY_PORT"):

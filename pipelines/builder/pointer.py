@@ -22,7 +22,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines.build.ingest import day_of
+from userwise.pipelines.builder.ingest import day_of
 from userwise.pipelines.config import Config
 from userwise.schemas import EV, IMP, OVR, REQ, SEQ, Layout
 

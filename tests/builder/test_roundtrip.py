@@ -38,7 +38,7 @@ WINDOWS = {
 # Spark builds are slow (minutes each on a shared 2-core box): every window setting runs on the
 # richest log (lean + action log), every other variant once, each on a different setting.
 # CI time: four builds cover lean + action log (incremental only, both), fat rows (N=1 windows
-# plus pretrain) and pretrain only; tests/build/test_build.py adds M=2/N=1 with the action log and a
+# plus pretrain) and pretrain only; tests/builder/test_build.py adds M=2/N=1 with the action log and a
 # lean log without one.
 CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain")]
 IDS = [f"{v}-{w}" for v, w in CASES]
@@ -350,7 +350,7 @@ def test_fat_range_build_sets_equal_the_daily_jobs_one_set_at_a_time(builder, sp
     import shutil
 
     from userwise.pipelines import config as C
-    from userwise.pipelines.build import daily
+    from userwise.pipelines.builder import daily
 
     b = builder("fat", "daily")
     sets = b.report["sets"]

@@ -65,7 +65,7 @@ def source_schema(df: DataFrame, input_cols) -> "pa.Schema":  # noqa: F821
     whose columns carry it in their metadata (else: the Spark types' Arrow form)."""
     import pyarrow as pa
 
-    from userwise.pipelines.build.inputs import source_field
+    from userwise.pipelines.builder.inputs import source_field
     from userwise.schemas.core import spark_to_arrow
 
     fields = []
@@ -363,7 +363,7 @@ def impression_events(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFra
 def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, DataFrame]:
     """A separate action log -> (valid events in the events schema, rows with a reason).
     ``df``: the log as inputs.read_spark gives it (columns under their storage names)."""
-    from userwise.pipelines.build.inputs import source_field
+    from userwise.pipelines.builder.inputs import source_field
 
     a = cfg.storage().actions
     ups = cfg.units_per_second

@@ -22,8 +22,8 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines.build.ingest import day_of
-from userwise.pipelines.build.pointer import SET, bucket_of, event_cols
+from userwise.pipelines.builder.ingest import day_of
+from userwise.pipelines.builder.pointer import SET, bucket_of, event_cols
 from userwise.pipelines.config import SECONDS_PER_DAY, Config, day_start
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io

@@ -22,8 +22,9 @@ from tests.support.uwchain import (
     synth,
     table_digest,
 )
-from userwise.pipelines.build import backfill, completion
 from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.manage import backfill
+from userwise.pipelines.records import published, state
 from userwise.pipelines.shards import publish
 
 
@@ -51,15 +52,15 @@ def test_window_and_set_layout():
 
 def test_delta_version_from_the_log(tmp_path):
     _fake_table(tmp_path, "requests", [0, 1, 2, 7])
-    assert completion.delta_version(tmp_path / "requests") == 7
-    assert completion.delta_version(tmp_path / "missing") is None
-    assert completion.table_versions(tmp_path) == {"requests": 7}
+    assert state.delta_version(tmp_path / "requests") == 7
+    assert state.delta_version(tmp_path / "missing") is None
+    assert state.table_versions(tmp_path) == {"requests": 7}
 
 
 def test_publish_without_shards_marks_the_day_and_unpublish_clears_it(tmp_path):
     _fake_table(tmp_path, "requests", [0, 1])
     _fake_table(tmp_path, "samples", [0, 1, 2])
-    completion.finish(str(tmp_path), "window")  # what the day's last job leaves: publish records its versions
+    state.finish(str(tmp_path), "window")  # what the day's last job leaves: publish records its versions
     assert not publish.is_published(tmp_path, "incremental", "2026-01-01")
     rec = publish.publish(str(tmp_path), date="2026-01-01")
     assert rec["tables"] == {"requests": 1, "samples": 2} and rec["window_end"] == "2026-01-02"
@@ -73,11 +74,11 @@ def test_publish_without_shards_marks_the_day_and_unpublish_clears_it(tmp_path):
 def test_publish_refuses_without_samples_or_staged_set(tmp_path):
     with pytest.raises(UserwiseError, match="no finished build"):
         publish.publish(str(tmp_path), date="2026-01-01")
-    completion.finish(str(tmp_path), "requests")
+    state.finish(str(tmp_path), "requests")
     with pytest.raises(UserwiseError, match="no samples table"):
         publish.publish(str(tmp_path), date="2026-01-01")
     _fake_table(tmp_path, "samples", [0])
-    completion.finish(str(tmp_path), "window")
+    state.finish(str(tmp_path), "window")
     with pytest.raises(ShardError, match="no staged shard set"):
         publish.publish(str(tmp_path), date="2026-01-01", shards=str(tmp_path / "s"))
     assert not publish.is_published(tmp_path, "incremental", "2026-01-01")
@@ -151,7 +152,7 @@ def test_backfill_equals_daily_runs_skips_published_and_force_is_identical(fast_
     assert table_digest(tmp_path / "bf") == tables and shard_digest(tmp_path / "bf_s") == shards
     rec = json.loads((tmp_path / "bf_s" / "incremental" / "2026-01-04" / publish.MARKER).read_text())
     assert rec["date"] == DAYS[-1] and set(rec["tables"]) >= {"requests", "history", "samples"}
-    assert publish.read_record(str(tmp_path / "bf"), "incremental", DAYS[-1]) == rec
+    assert published.read(str(tmp_path / "bf"), "incremental", DAYS[-1]) == rec
 
 
 @pytest.mark.spark

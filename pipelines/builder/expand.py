@@ -26,8 +26,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.runtime.spark import session_conf
 from userwise.schemas import IMP, OVR, REQ, SEQ
@@ -154,11 +154,11 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
 def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
     path = samples if delta_io.has_log(samples) else delta_io.table_path(samples, "samples")
     if not delta_io.exists(spark, path):
-        completion.complete_state(path.rstrip("/").rsplit("/", 1)[0])  # names a build that died first
+        state.complete_state(path.rstrip("/").rsplit("/", 1)[0])  # names a build that died first
         raise UserwiseError(f"no samples table at {path}; pass the folder written by `userwise build`")
     # the folder's complete state: a build or daily job still running, or killed, is not read
     build_dir = path.rstrip("/").rsplit("/", 1)[0]
-    df = delta_io.read(spark, path, completion.version_of(build_dir, "samples"))
+    df = delta_io.read(spark, path, state.version_of(build_dir, "samples"))
     if kind:
         df = df.where(F.col("kind") == kind)
     return df

@@ -27,12 +27,12 @@ import json
 import os
 import re
 
-from userwise.pipelines.build import writer_lock
+from userwise import schemas as S
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import folder, writer_lock
 from userwise.pipelines.runtime import storage
 
-FORMAT_VERSION = 1
-TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
+FORMAT_VERSION = S.COMPLETE_FORMAT
 _LOG_ENTRY = re.compile(r"^(\d{20})\.json$")
 
 
@@ -40,16 +40,8 @@ class IncompleteError(UserwiseError):
     """The build folder holds no complete state to read."""
 
 
-def _dir(output: str) -> str:
-    return storage.join(storage.absolute(output), "_userwise")
-
-
-def record_path(output: str) -> str:
-    return storage.join(_dir(output), "complete.json")
-
-
-def running_path(output: str) -> str:
-    return storage.join(_dir(output), "running.json")
+record_path = folder.complete_json
+running_path = folder.running_json
 
 
 def delta_version(path: str) -> int | None:
@@ -67,7 +59,7 @@ def delta_version(path: str) -> int | None:
 def table_versions(output: str) -> dict[str, int]:
     """The current Delta version of each table of the build folder that exists."""
     out = {}
-    for t in TABLES:
+    for t in S.BUILD_TABLES:
         v = delta_version(storage.join(storage.absolute(output), t))
         if v is not None:
             out[t] = v

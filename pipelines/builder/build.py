@@ -3,7 +3,7 @@
 Cost grows with the data, not with the number of days or windows:
 1. requests, events and quarantine for every day before as-of: one job;
 2. the pretrain samples and every window's, from one plan, in one commit
-   (:func:`daily.set_samples`: a lean window's stream is the newest H events
+   (:func:`steps.set_samples`: a lean window's stream is the newest H events
    before its start plus its own events, derived for all windows at once);
 3. the history as of the day before as-of, derived from the events: one job.
 No step runs per day or per window. The daily jobs (pipelines.build.daily) use
@@ -16,10 +16,11 @@ import datetime as dt
 import json
 
 from userwise.pipelines import config as C
-from userwise.pipelines.build import build_record, completion, inputs, validate
-from userwise.pipelines.build.daily import as_date, ingest_range, log, log_set, set_samples
-from userwise.pipelines.build.history import History
+from userwise.pipelines.builder import inputs, validate
+from userwise.pipelines.builder.history import History
+from userwise.pipelines.builder.steps import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, progress, storage
 
 
@@ -58,7 +59,7 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
     output = storage.absolute(output)
     log(f"build: input {input_path} -> {output}, as-of {T}, pretrain before {boundary}, "
         f"{len(wins)} incremental windows of {window_days} day(s)")
-    with completion.job(output, "build", input=input_path, as_of=T.isoformat(), pretrain_days=pretrain_days,
+    with state.job(output, "build", input=input_path, as_of=T.isoformat(), pretrain_days=pretrain_days,
                         window_days=window_days, actions=actions_path):
         ing = ingest_range(spark, cfg, input_path, output, None, T, actions_path, as_of=T)
         layout = ing.layout
@@ -70,7 +71,7 @@ def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_da
         for out, (_, ws, _) in zip(sets, plan):
             log_set(out, ws)
         # the history as of the end of the day before as-of (what the daily jobs would have left)
-        with progress.step("history", [delta_io.table_path(output, "history")]):
+        with progress.step("history", delta_io.commits(delta_io.table_path(output, "history"))):
             History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention,
                                                        since=dt.date(1970, 1, 1))
     with progress.step("report"):
@@ -92,7 +93,7 @@ def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict
     rep["reconciled"] = (counts["rows_read"] == in_samples + sum(counts["quarantined"].values())
                          + counts["after_as_of"])
     if layout.fat:
-        from userwise.pipelines.build.fat_rows import snapshot_counts
+        from userwise.pipelines.builder.fat_rows import snapshot_counts
 
         rep.update(snapshot_counts(spark, output, [(s["kind"], s["window_end"]) for s in sets]))
     rep["bytes_in"] = input_bytes(input_path)

@@ -37,6 +37,7 @@ import threading
 import time
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import folder
 from userwise.pipelines.runtime import storage
 
 HEARTBEAT_S = 10.0
@@ -48,10 +49,7 @@ class LockedError(UserwiseError):
     """Another job holds the build folder's lock."""
 
 
-def lock_dir(output: str) -> str:
-    if storage.is_local(output):
-        return os.path.join(storage.local_path(output), "_userwise", "locks")
-    return storage.join(output, "_userwise", "locks")
+lock_dir = folder.locks_dir
 
 
 def _pid_alive(pid: int, started: float | None) -> bool:

@@ -23,7 +23,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from userwise import schemas as S
-from userwise.pipelines.build.pointer import (
+from userwise.pipelines.builder.pointer import (
     SET,
     assign_chunks,
     bucket_of,

@@ -7,7 +7,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from userwise.pipelines.build.range import input_bytes
+from userwise.pipelines.builder.build import input_bytes
 from userwise.pipelines.runtime import delta_io, storage
 
 

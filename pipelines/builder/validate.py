@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from userwise.pipelines import config as C
-from userwise.pipelines.build.inputs import arrow_dataset, input_schema
+from userwise.pipelines.builder.inputs import arrow_dataset, input_schema
 from userwise.pipelines.errors import UserwiseError
 
 UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}

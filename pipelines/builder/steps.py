@@ -1,15 +1,14 @@
-"""Daily jobs, each idempotent (replaceWhere, or the history derived from the events):
+"""The steps of the chain that ``userwise build`` and the daily jobs share.
 
-- ``requests_day``: one date's requests, events and quarantine;
-- ``history_day``: MERGE one date's actions into the history;
-- ``window_day``: the incremental samples of the window ending after a date:
-  per user the newest L events before the window start, derived from the
-  events table, plus the window's own events;
-- ``pretrain``: the pretrain samples (one job over all older requests).
+- :func:`ingest_range`: validate the input rows of a range of days and write the
+  requests, events and quarantine of those days (one Spark job);
+- :func:`set_samples`: the samples of any number of sets (the pretrain set and
+  incremental windows) from one Spark plan, written in one commit;
+- :func:`pretrain_samples`, :func:`window_samples`: one set each.
 
-``userwise build`` (pipelines.build.range) computes all its sets with the same
-function (:func:`set_samples`) in one plan, so a range run and the daily jobs give
-the same tables.
+The range build (:mod:`~userwise.pipelines.builder.build`) calls them once for all
+its days and sets, the daily jobs (:mod:`~userwise.pipelines.builder.daily`) once per
+day, so a range build and the daily jobs run one by one give the same tables.
 """
 
 from __future__ import annotations
@@ -24,11 +23,12 @@ from pyspark.sql import functions as F
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.build import build_record, completion, ingest
-from userwise.pipelines.build.history import History, SetPlan, set_streams
-from userwise.pipelines.build.inputs import read_spark
-from userwise.pipelines.build.pointer import SET, lean_sets
-from userwise.pipelines.errors import QuarantineLimitError, UserwiseError
+from userwise.pipelines.builder import ingest
+from userwise.pipelines.builder.history import SetPlan, set_streams
+from userwise.pipelines.builder.inputs import read_spark
+from userwise.pipelines.builder.pointer import SET, lean_sets
+from userwise.pipelines.errors import QuarantineLimitError
+from userwise.pipelines.records import build_record
 from userwise.pipelines.runtime import delta_io, progress
 from userwise.schemas import EV
 
@@ -97,7 +97,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     accepted = now.where(F.col("_reason").isNull())
     reqs = ingest.requests_frame(cfg, canon, accepted)
     if layout.fat:
-        from userwise.pipelines.build.fat_rows import fat_events
+        from userwise.pipelines.builder.fat_rows import fat_events
 
         # the requests table and the events exploded from its snapshots: aggregated once
         reqs = reqs.persist(StorageLevel.MEMORY_AND_DISK)
@@ -139,7 +139,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     share = rejected / considered if considered else 0.0
     counts["quarantine_share"] = share
     where = _where_dates("date", start, end)
-    with progress.step("quarantine", [delta_io.table_path(output, "quarantine")]):
+    with progress.step("quarantine", delta_io.commits(delta_io.table_path(output, "quarantine"))):
         delta_io.replace(q, delta_io.table_path(output, "quarantine"),
                          where + (" OR date IS NULL" if start is None else ""),
                          schema=S.QUARANTINE)
@@ -151,9 +151,9 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
             f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
             f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
             "the limit")
-    with progress.step("requests", [delta_io.table_path(output, "requests")]):
+    with progress.step("requests", delta_io.commits(delta_io.table_path(output, "requests"))):
         delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, schema=S.requests_schema(layout))
-    with progress.step("events", [delta_io.table_path(output, "events")]):
+    with progress.step("events", delta_io.commits(delta_io.table_path(output, "events"))):
         delta_io.replace(events, delta_io.table_path(output, "events"), where, schema=S.events_schema(layout))
     reqs.unpersist()
     df.unpersist()
@@ -170,7 +170,7 @@ def _where_dates(col: str, start: dt.date | None, end: dt.date) -> str:
 # ---------------------------------------------------------------------------
 # Samples
 # ---------------------------------------------------------------------------
-def _requests(spark, output: str, start: dt.date | None, end: dt.date) -> DataFrame:
+def requests_between(spark, output: str, start: dt.date | None, end: dt.date) -> DataFrame:
     r = delta_io.read(spark, delta_io.table_path(output, "requests"))
     cond = F.col("date") < F.lit(end)
     if start is not None:
@@ -181,7 +181,7 @@ def _requests(spark, output: str, start: dt.date | None, end: dt.date) -> DataFr
 def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
     """Replace the sets ``keys`` ((kind, window_end) each) with ``df`` in one commit; per set,
     what was written (read back from the files' columns, without Spark)."""
-    from userwise.pipelines.build.pointer import release
+    from userwise.pipelines.builder.pointer import release
 
     path = delta_io.table_path(output, "samples")
     where = " OR ".join(f"(kind = '{k}' AND window_end = '{we.isoformat()}')" for k, we in keys)
@@ -207,10 +207,10 @@ def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: li
     return out
 
 
-def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
-                sets: list[tuple[str, dt.date | None, dt.date]]) -> list[dict]:
+def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
+                  sets: list[tuple[str, dt.date | None, dt.date]]) -> DataFrame:
     """The samples of ``sets`` ((kind, start, end) each; start None: from the first day,
-    the pretrain set) from one Spark plan, written in one commit; per set, what was written.
+    the pretrain set) as one Spark plan, not yet written (:func:`set_samples` writes it).
 
     Every step is keyed by (user, set): a lean set's stream is its base (the newest L
     events before its start: all its requests can see) and its own events, all sets'
@@ -220,10 +220,10 @@ def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
     # the pretrain set spans from the first request day (one value per set: readers group by
     # it), read from the requests table's log rather than by a Spark job
     meta = [(k, _first_day(output, en) if st is None else st, en) for k, st, en in sets]
-    reqs = _requests(spark, output, None if any(st is None for _, st, _ in sets) else plan.d0, plan.dend)
+    reqs = requests_between(spark, output, None if any(st is None for _, st, _ in sets) else plan.d0, plan.dend)
     reqs = reqs.select("*", F.explode(plan.sets_of(plan.segment_of_date(F.col("date")))).alias(SET))
     if layout.fat:
-        from userwise.pipelines.build.fat_rows import fat_sets
+        from userwise.pipelines.builder.fat_rows import fat_sets
 
         df = fat_sets(cfg, layout, reqs, meta)
     else:
@@ -236,6 +236,14 @@ def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
         # still splits a large set into files of the advisory size. (Spark ignores the hint
         # when AQE is off: then the files are as before, never one task per set.)
         df = df.hint("rebalance", "kind", "window_end")
+    return df
+
+
+def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
+                sets: list[tuple[str, dt.date | None, dt.date]]) -> list[dict]:
+    """The samples of ``sets`` (as :func:`samples_frame`) from one Spark plan, written in one
+    commit; per set, what was written."""
+    df = samples_frame(spark, cfg, layout, output, sets)
     with progress.step("samples") as st:
         out = _write_samples(spark, output, layout, df, [(k, en) for k, _, en in sets])
         st.rows = sum(o["samples"] for o in out)
@@ -267,85 +275,3 @@ def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.d
     out = set_samples(spark, cfg, layout, output, [("incremental", ws, we)])[0]
     log_set(out, ws)
     return out
-
-
-# ---------------------------------------------------------------------------
-# The daily API (called by jobs/, the Airflow DAGs and backfill)
-# ---------------------------------------------------------------------------
-def requests_day(spark, cfg: C.Config, input_path: str, output: str, date, actions_path: str | None = None) -> dict:
-    d = as_date(date)
-    with completion.job(output, "requests", input=input_path, date=d.isoformat(), actions=actions_path):
-        ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
-    log(f"requests {d}: {ing.counts}")
-    return {"date": d.isoformat(), **ing.counts}
-
-
-def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | None = None) -> dict:
-    d = as_date(date)
-    _, layout, meta = build_record.load(output)
-    days = retention_days or meta.get("retention_days") or 37
-    with completion.job(output, "history", date=d.isoformat()), \
-            progress.step("history", [delta_io.table_path(output, "history")]):
-        out = History(spark, cfg, layout, output).update(d, retention_days=days)
-    log(f"history {d}: {out}")
-    return {"date": d.isoformat(), **out}
-
-
-def window_day(spark, cfg: C.Config, output: str, date, window_days: int = 1) -> dict:
-    """The window [date+1-N, date+1)."""
-    d = as_date(date)
-    _, layout, _ = build_record.load(output)
-    we = d + dt.timedelta(days=1)
-    with completion.job(output, "window", date=d.isoformat(), window_days=window_days):
-        return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
-
-
-def pretrain(spark, cfg: C.Config, output: str, as_of, pretrain_days: int) -> dict:
-    _, layout, _ = build_record.load(output)
-    with completion.job(output, "pretrain", date=as_date(as_of).isoformat(), pretrain_days=pretrain_days):
-        return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
-
-
-# ---------------------------------------------------------------------------
-# CLI handlers
-# ---------------------------------------------------------------------------
-def _spark(args):
-    from userwise.pipelines.runtime.spark import get_spark
-
-    return get_spark(master=getattr(args, "master", None))
-
-
-def _print(obj) -> None:
-    import json
-
-    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
-
-
-def requests_cli(args) -> int:
-    from userwise.pipelines.build import validate
-
-    cfg = C.load(args.config)
-    validate.front_door(cfg, args.input, args.actions)
-    _print(requests_day(_spark(args), cfg, args.input, args.output, args.date, args.actions))
-    return 0
-
-
-def history_cli(args) -> int:
-    cfg = C.load(args.config)
-    _print(history_day(_spark(args), cfg, args.output, args.date))
-    return 0
-
-
-def window_cli(args) -> int:
-    cfg = C.load(args.config)
-    _print(window_day(_spark(args), cfg, args.output, args.date, args.window_days))
-    return 0
-
-
-def pretrain_cli(args) -> int:
-    cfg = C.load(args.config)
-    if args.pretrain_days < 0:
-        raise UserwiseError("--pretrain-days must be >= 0")
-    as_of = as_date(args.date)
-    _print(pretrain(_spark(args), cfg, args.output, as_of, args.pretrain_days))
-    return 0

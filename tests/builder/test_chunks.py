@@ -12,8 +12,8 @@ import pytest
 
 from tests.support.common import config
 from userwise.pipelines import config as C
-from userwise.pipelines.build import pointer
-from userwise.pipelines.build import range as B
+from userwise.pipelines.builder import build as B
+from userwise.pipelines.builder import pointer
 from userwise.pipelines.runtime import delta_io
 from userwise.pipelines.tools import synth
 

@@ -6,7 +6,7 @@
 skipped), written as the build's user column holds them (``42``, or ``u-42`` for a
 string column). The CLI holds ``D``'s exclusive lock throughout. In order:
 
-1. ``forget`` is marked running (``completion.begin``).
+1. ``forget`` is marked running (``state.begin``).
 2. The users' rows leave ``requests``, ``events``, ``history`` and ``samples`` (column
    ``user``) and ``quarantine`` (the id read from the rejected row's JSON, under the
    input's user column, or the action log's for rows of the action log): one Delta
@@ -30,7 +30,7 @@ string column). The CLI holds ``D``'s exclusive lock throughout. In order:
 4. ``--vacuum``: Delta VACUUM with retention 0 on every table that holds user rows, so
    the files of older versions, which still hold the users, are deleted from disk;
    time travel to any version before this one ends there.
-5. The completion record names the tables' new versions (``completion.finish``).
+5. The completion record names the tables' new versions (``state.finish``).
 
 A forget killed at any point is finished by running it again: deletes that already
 committed match nothing, sets already rewritten hold no forgotten user, and a swap
@@ -51,8 +51,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from userwise import schemas as S
-from userwise.pipelines.build import build_record, completion
 from userwise.pipelines.errors import InputError, UserwiseError
+from userwise.pipelines.records import build_record, published, state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance, preshard
 from userwise.pipelines.shards import manifest as mf
@@ -258,7 +258,7 @@ def rewrite_set(root: str, users: pa.Array) -> dict | None:
         if rec.get("shards"):
             rec["shards"].update(manifest_sha256=sha, rows=sum(int(e["rows"]) for e in m["shards"]))
         rec["forgotten_at"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        completion.write_json(marker, rec)  # a new file: the old set's marker (same inode until now) is kept
+        state.write_json(marker, rec)  # a new file: the old set's marker (same inode until now) is kept
     storage.rename(root, old)
     storage.rename(new, root)
     storage.rmtree(old)
@@ -269,21 +269,15 @@ def sync_published(output: str, root: str) -> bool:
     """Give the build folder's record of the published set at ``root`` its marker's content (the
     marker is rewritten with the set; the record follows it). True when the record changed."""
     data = storage.read_bytes(storage.join(root, MARKER))
-    pub = storage.join(storage.absolute(output), "_userwise", "published")
     if data is None:
         return False
     rec = json.loads(data)
     changed = False
-    for dirpath, _, files in storage.walk(pub):
-        for n in files:
-            if not n.endswith(".json"):
-                continue
-            p = storage.join(dirpath, n)
-            cur = json.loads(storage.read_bytes(p) or b"{}")
-            sh = cur.get("shards") or {}
-            if sh.get("root") and storage.absolute(sh["root"]) == storage.absolute(root) and cur != rec:
-                completion.write_json(p, rec)
-                changed = True
+    for p, cur in published.every(output):
+        sh = cur.get("shards") or {}
+        if sh.get("root") and storage.absolute(sh["root"]) == storage.absolute(root) and cur != rec:
+            state.write_json(p, rec)
+            changed = True
     return changed
 
 
@@ -293,7 +287,7 @@ def sync_published(output: str, root: str) -> bool:
 def _check_unfinished(output: str) -> None:
     """Refuse a folder whose last writer died before finishing (forget would record its partial
     tables as complete); a killed forget is what this run finishes."""
-    data = storage.read_bytes(completion.running_path(output))
+    data = storage.read_bytes(state.running_path(output))
     if data is None:
         return
     try:
@@ -302,7 +296,7 @@ def _check_unfinished(output: str) -> None:
         return
     if running.get("job") != "forget" and running.get("pid") != os.getpid():
         raise UserwiseError(
-            f"{output}: {completion.describe(running.get('job', '?'), running.get('detail'))} started "
+            f"{output}: {state.describe(running.get('job', '?'), running.get('detail'))} started "
             f"{running.get('started_at')} and did not finish; run it again, then forget the users")
 
 
@@ -313,7 +307,7 @@ def forget(spark, output: str, users: pa.Array, sets: list[str] = (), vacuum: bo
     cfg, layout, _ = build_record.load(output)
     _check_unfinished(output)
     detail = detail or {}
-    completion.begin(output, "forget", **detail)
+    state.begin(output, "forget", **detail)
     rep: dict = {"users": len(users), "tables": forget_tables(spark, output, cfg, layout, users), "shards": []}
     for root in sets:
         r = rewrite_set(root, users)
@@ -322,7 +316,7 @@ def forget(spark, output: str, users: pa.Array, sets: list[str] = (), vacuum: bo
         if sync_published(output, root):
             rep.setdefault("published_records", []).append(root)
     rep["vacuumed"] = vacuum_tables(spark, output) if vacuum else []
-    rec = completion.finish(output, "forget", **detail)
+    rec = state.finish(output, "forget", **detail)
     rep["versions"] = rec["tables"]
     return rep
 

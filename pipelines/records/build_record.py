@@ -15,14 +15,12 @@ import pyarrow as pa
 from userwise import schemas as S
 from userwise.pipelines import config as C
 from userwise.pipelines.errors import InputError
+from userwise.pipelines.records import folder
 from userwise.pipelines.runtime import storage
-
-META_DIR = "_userwise"
-META_FILE = "build.json"
 
 
 def path(output: str) -> str:
-    return storage.join(output, META_DIR, META_FILE)
+    return folder.build_json(output)
 
 
 def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
@@ -69,7 +67,7 @@ def load(output: str) -> tuple[C.Config, S.Layout, dict]:
     p = path(output)
     raw = storage.read_bytes(p)
     if raw is None:
-        raise InputError(f"{output} is not a userwise build folder (no {META_DIR}/{META_FILE}); "
+        raise InputError(f"{output} is not a userwise build folder (no {folder.META_DIR}/{folder.BUILD_JSON}); "
                          "run `userwise build` or `userwise requests` first")
     try:
         meta = json.loads(raw)

@@ -14,8 +14,8 @@ import pytest
 
 from tests.support import edgegen
 from userwise.pipelines import config as C
-from userwise.pipelines.build import daily
-from userwise.pipelines.build import range as B
+from userwise.pipelines.builder import build as B
+from userwise.pipelines.builder import daily
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io
 
@@ -164,7 +164,7 @@ def test_tables_explain_themselves(spark, ranged, dailies, log):
     from deltalake import DeltaTable
 
     from userwise import schemas as S
-    from userwise.pipelines.build import build_record
+    from userwise.pipelines.records import build_record
     from userwise.schemas.core import COMMENT
 
     labels = list(C.parse(log.config).action_labels)
@@ -174,7 +174,7 @@ def test_tables_explain_themselves(spark, ranged, dailies, log):
         schemas = {"requests": S.requests_schema(layout), "events": S.events_schema(layout),
                    "history": S.history_schema(layout), "samples": S.samples_schema(layout),
                    "quarantine": S.QUARANTINE, "history_log": S.HISTORY_LOG}
-        assert set(schemas) == set(delta_io.TABLES)
+        assert set(schemas) == set(S.BUILD_TABLES)
         for name, schema in schemas.items():
             t = DeltaTable(delta_io.table_path(out, name))
             got = {f.name: (f.metadata or {}).get(COMMENT) for f in t.schema().fields}
@@ -416,8 +416,8 @@ def test_daily_window_and_history_jobs_equal_the_month_build(spark, month, tmp_p
         a, b = (x.toPandas().sort_values("sample_id").reset_index(drop=True) for x in (want, got))
         assert len(a) > 0
         _same(a, b)
-    from userwise.pipelines.build import build_record
-    from userwise.pipelines.build.history import History
+    from userwise.pipelines.builder.history import History
+    from userwise.pipelines.records import build_record
 
     _, layout, _ = build_record.load(dst)
     History(spark, cfg, layout, dst).derive(T - dt.timedelta(days=6), since=dt.date(1970, 1, 1))
@@ -434,7 +434,7 @@ def test_backfill_of_the_month_in_one_go_equals_the_range_build(spark, month, tm
     """`userwise backfill` over all 34 days writes its tables in one go: every daily window
     the range build (M=30, N=1) has, the same rows; the same requests and history; and the
     Spark jobs of a 3-day backfill."""
-    from userwise.pipelines.build import backfill
+    from userwise.pipelines.manage import backfill
 
     T = MONTH_AS_OF
     sc = spark.sparkContext

@@ -1,0 +1,107 @@
+"""The daily jobs, each idempotent (replaceWhere, or the history derived from the events):
+
+- ``requests_day``: one date's requests, events and quarantine;
+- ``history_day``: MERGE one date's actions into the history;
+- ``window_day``: the incremental samples of the window ending after a date:
+  per user the newest L events before the window start, derived from the
+  events table, plus the window's own events;
+- ``pretrain``: the pretrain samples (one job over all older requests).
+
+Each is a step of :mod:`~userwise.pipelines.builder.steps` for one day or set, the
+same functions ``userwise build`` runs over its whole range, so a range run and the
+daily jobs give the same tables. The ``*_cli`` functions are the handlers of
+``userwise requests|history|window|pretrain``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from userwise.pipelines import config as C
+from userwise.pipelines.builder.history import History
+from userwise.pipelines.builder.steps import as_date, ingest_range, log, pretrain_samples, window_samples
+from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import build_record, state
+from userwise.pipelines.runtime import delta_io, progress
+
+
+# ---------------------------------------------------------------------------
+# The daily API (called by jobs/, the Airflow DAGs and backfill)
+# ---------------------------------------------------------------------------
+def requests_day(spark, cfg: C.Config, input_path: str, output: str, date, actions_path: str | None = None) -> dict:
+    d = as_date(date)
+    with state.job(output, "requests", input=input_path, date=d.isoformat(), actions=actions_path):
+        ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
+    log(f"requests {d}: {ing.counts}")
+    return {"date": d.isoformat(), **ing.counts}
+
+
+def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | None = None) -> dict:
+    d = as_date(date)
+    _, layout, meta = build_record.load(output)
+    days = retention_days or meta.get("retention_days") or 37
+    with state.job(output, "history", date=d.isoformat()), \
+            progress.step("history", delta_io.commits(delta_io.table_path(output, "history"))):
+        out = History(spark, cfg, layout, output).update(d, retention_days=days)
+    log(f"history {d}: {out}")
+    return {"date": d.isoformat(), **out}
+
+
+def window_day(spark, cfg: C.Config, output: str, date, window_days: int = 1) -> dict:
+    """The window [date+1-N, date+1)."""
+    d = as_date(date)
+    _, layout, _ = build_record.load(output)
+    we = d + dt.timedelta(days=1)
+    with state.job(output, "window", date=d.isoformat(), window_days=window_days):
+        return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
+
+
+def pretrain(spark, cfg: C.Config, output: str, as_of, pretrain_days: int) -> dict:
+    _, layout, _ = build_record.load(output)
+    with state.job(output, "pretrain", date=as_date(as_of).isoformat(), pretrain_days=pretrain_days):
+        return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
+
+
+# ---------------------------------------------------------------------------
+# CLI handlers
+# ---------------------------------------------------------------------------
+def _spark(args):
+    from userwise.pipelines.runtime.spark import get_spark
+
+    return get_spark(master=getattr(args, "master", None))
+
+
+def _print(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def requests_cli(args) -> int:
+    from userwise.pipelines.builder import validate
+
+    cfg = C.load(args.config)
+    validate.front_door(cfg, args.input, args.actions)
+    _print(requests_day(_spark(args), cfg, args.input, args.output, args.date, args.actions))
+    return 0
+
+
+def history_cli(args) -> int:
+    cfg = C.load(args.config)
+    _print(history_day(_spark(args), cfg, args.output, args.date))
+    return 0
+
+
+def window_cli(args) -> int:
+    cfg = C.load(args.config)
+    _print(window_day(_spark(args), cfg, args.output, args.date, args.window_days))
+    return 0
+
+
+def pretrain_cli(args) -> int:
+    cfg = C.load(args.config)
+    if args.pretrain_days < 0:
+        raise UserwiseError("--pretrain-days must be >= 0")
+    as_of = as_date(args.date)
+    _print(pretrain(_spark(args), cfg, args.output, as_of, args.pretrain_days))
+    return 0
