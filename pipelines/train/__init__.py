@@ -1,0 +1,58 @@
+"""The trainer's half of the pointer: from a ``JaggedBatch`` to attention that cannot leak.
+
+Public names::
+
+    from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, spans,
+    target_intervals, causal_intervals, hstu_mha_layout,
+    hstu_varlen_layout, stochastic_length)
+
+Modules, in the order data flows through them:
+
+- ``spans``: per impression its sample, its request and its visible span
+  ``[seq_begin, seq_end)`` in batch-level indices (:func:`spans`, :class:`Spans`);
+- ``stochastic``: HSTU's stochastic length, a seeded read-time sub-sampling of long
+  sequences that keeps every span consistent (:func:`stochastic_length`);
+- ``masks``: the masks as one interval per query row (:class:`Intervals`): target
+  attention, the causal encoder (optionally windowed), per-request sequences; as dense
+  masks, a FlexAttention ``mask_mod`` and a ``BlockMask``;
+- ``attention``: softmax attention under such a mask: pure-torch block-sparse (any
+  device, forward and backward), FlexAttention, and a dense reference;
+- ``layouts``: argument layouts for generative-recommenders' ``hstu_mha`` and NVIDIA's
+  ``hstu_attn_varlen_func``, the masks those kernels apply, and an audit of them;
+- ``inputs``: the model's inputs (:class:`UserBatch`, :class:`PointwiseBatch`,
+  :class:`Fields`);
+- ``model``: the reference model (:class:`ReferenceRanker`): a user-wise and a
+  point-wise forward, and their FLOPs.
+
+Torch only (the kernels are optional and never imported); never imports pyspark.
+See docs/training.md.
+"""
+
+from userwise.pipelines.train.attention import attend, block_attention, dense_attention, flex_attention
+from userwise.pipelines.train.inputs import Fields, PointwiseBatch, UserBatch
+from userwise.pipelines.train.layouts import (
+    KernelLayout,
+    audit,
+    hstu_mha_layout,
+    hstu_mha_mask,
+    hstu_varlen_layout,
+    hstu_varlen_mask,
+)
+from userwise.pipelines.train.masks import (
+    Intervals,
+    causal_intervals,
+    dense_causal_masks,
+    dense_target_masks,
+    request_sequences,
+    target_intervals,
+)
+from userwise.pipelines.train.model import ENCODERS, ReferenceRanker
+from userwise.pipelines.train.spans import Spans, spans
+from userwise.pipelines.train.stochastic import keep_mask, stochastic_length, with_arrays
+
+__all__ = [
+    "Spans", "spans", "stochastic_length", "keep_mask", "with_arrays", "Intervals", "target_intervals",
+    "causal_intervals", "request_sequences", "dense_target_masks", "dense_causal_masks", "attend", "block_attention",
+    "dense_attention", "flex_attention", "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask",
+    "hstu_varlen_mask", "audit", "Fields", "UserBatch", "PointwiseBatch", "ReferenceRanker", "ENCODERS",
+]

@@ -1,0 +1,136 @@
+"""Stochastic length (HSTU, arXiv 2402.17152, section 3.3): seeded sub-sampling of long
+sequences at read time.
+
+HSTU trains on a random subsequence of a long history: a sequence of ``n`` events,
+with ``N`` the maximum length and ``alpha`` in (1, 2], is kept whole when
+``n <= N ** (alpha / 2)``; otherwise, with probability ``1 - N ** alpha / n ** 2``, it is
+cut to ``N ** (alpha / 2)`` events drawn uniformly (order kept), else kept whole. The
+expected attention cost then grows as ``N ** alpha`` instead of ``N ** 2``.
+
+Here the unit is the sample: its stored sequence is sub-sampled once, so a dropped
+event is invisible to every request of the sample, and every request's span is
+recomputed from the same choice: request ``r`` sees exactly the kept events of its old
+span ``[seq_begin, seq_end)``, in order (a subset of what it saw, never anything new,
+so never a later event). The stored sequence still holds exactly the kept events
+from the smallest begin to the largest end.
+
+The draw is a pure function of ``(seed, epoch, sample_id, event position)`` (a hash,
+no generator state), so it does not depend on the batch a sample lands in, on the
+device, or on the rank; a new epoch draws again.
+
+Example::
+
+    batch = stochastic_length(batch, max_len=1000, alpha=1.6, seed=0, epoch=loader.epoch)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.loader import JaggedBatch
+from userwise.pipelines.train.spans import segment_ids
+
+__all__ = ["stochastic_length", "keep_mask", "with_arrays"]
+
+M32 = 0xFFFFFFFF
+ALIGN = 64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2**32)."""
+    x = x & M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def _hash(seed: int, epoch: int, sample_id: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    h = _mix(torch.full_like(sample_id, (int(seed) * 0x9E3779B9 + int(epoch)) & M32))
+    h = _mix(h ^ (sample_id & M32))
+    h = _mix(h ^ ((sample_id >> 32) & M32))
+    return _mix(h ^ (pos & M32))
+
+
+def keep_mask(seq_offsets: torch.Tensor, sample_id: torch.Tensor, *, max_len: int, alpha: float, seed: int,
+              epoch: int = 0) -> torch.Tensor:
+    """Per stored event, True where stochastic length keeps it (see module doc)."""
+    if not 1.0 < alpha <= 2.0:
+        raise UserwiseError(f"alpha={alpha}: HSTU's stochastic length takes alpha in (1, 2]")
+    if max_len < 1:
+        raise UserwiseError(f"max_len={max_len}: use the sequences' maximum length (e.g. max_seq_len)")
+    so = seq_offsets.long()
+    n = so[1:] - so[:-1]
+    keep_len = int(max_len ** (alpha / 2))
+    sid = sample_id.long()
+    ev_sample = segment_ids(so)
+    pos = torch.arange(ev_sample.numel(), device=so.device) - so[:-1][ev_sample]
+    # the per-sample draw: u < 1 - N^alpha / n^2 cuts the sample (only where n > N^(alpha/2))
+    u = _hash(seed, epoch, sid, torch.full_like(sid, M32)).double() / 2.0 ** 32
+    cut = (n > keep_len) & (u < 1.0 - (float(max_len) ** alpha) / n.double().clamp(min=1) ** 2)
+    if not bool(cut.any()):
+        return torch.ones(ev_sample.numel(), dtype=torch.bool, device=so.device)
+    # keep the keep_len events with the smallest hash keys of each cut sample
+    key = ev_sample * (1 << 32) + _hash(seed, epoch, sid[ev_sample], pos)
+    order = torch.argsort(key)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=so.device) - so[:-1][ev_sample[order]]
+    return ~cut[ev_sample] | (rank < keep_len)
+
+
+def with_arrays(batch: JaggedBatch, arrays: dict, meta: dict | None = None) -> JaggedBatch:
+    """A new :class:`JaggedBatch` with some arrays replaced (same names and dtypes, any
+    lengths), packed into one buffer on the batch's device as the loader packs it."""
+    spec, parts, off = [], [], 0
+    for name, dt, _, _ in batch.spec:
+        t = arrays.get(name, None)
+        t = batch[name] if t is None else t
+        raw = t.contiguous().view(torch.uint8).reshape(-1)
+        spec.append((name, dt, off, t.numel()))
+        parts.append((off, raw))
+        off += -(-raw.numel() // ALIGN) * ALIGN
+    buf = torch.zeros(max(off, ALIGN), dtype=torch.uint8, device=batch.device)
+    for o, raw in parts:
+        buf[o:o + raw.numel()] = raw
+    return JaggedBatch(buf, tuple(spec), dict(batch.meta if meta is None else meta))
+
+
+def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, seed: int = 0,
+                      epoch: int = 0) -> JaggedBatch:
+    """The batch with every sample's stored sequence sub-sampled (module doc); requests' spans,
+    ``seq.offsets``, ``num_events`` and ``cost`` follow. Fat-row overrides are left as they are."""
+    if "sample_id" not in batch:
+        raise UserwiseError("stochastic_length draws per sample_id; read the batch with the sample_id column")
+    so = batch["seq.offsets"].long()
+    keep = keep_mask(so, batch["sample_id"], max_len=max_len, alpha=alpha, seed=seed, epoch=epoch)
+    if bool(keep.all()):
+        return batch
+    cols = batch.meta["columns"]
+    strings = [n for n, (g, t) in cols.items() if g == "seq" and f"{n}.soff" in batch]
+    if strings:
+        raise UserwiseError(f"stochastic_length cannot sub-sample string sequence fields {strings}; "
+                            "read the batch without them (columns=...)")
+    csum = torch.zeros(keep.numel() + 1, dtype=torch.long, device=so.device)
+    csum[1:] = torch.cumsum(keep.long(), 0)
+    new_so = csum[so]
+    rs = batch["req.sample"].long()
+    base = so[:-1][rs]
+    out = {"seq.offsets": new_so.to(batch["seq.offsets"].dtype)}
+    for name in ("req_seq_begin", "req_seq_end"):
+        rel = batch[name].long()
+        out[name] = (csum[base + rel] - new_so[:-1][rs]).to(batch[name].dtype)
+    for name, (group, _) in cols.items():
+        if group == "seq":
+            out[name] = batch[name][keep]
+            if f"{name}.valid" in batch:
+                out[f"{name}.valid"] = batch[f"{name}.valid"][keep]
+    dropped = (so[1:] - so[:-1]) - (new_so[1:] - new_so[:-1])
+    for name in ("num_events", "cost"):
+        if name in batch:
+            out[name] = (batch[name].long() - dropped).to(batch[name].dtype)
+    meta = dict(batch.meta)
+    if "events" in meta:
+        meta["events"] = int(new_so[-1])
+    return with_arrays(batch, out, meta)
