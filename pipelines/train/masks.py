@@ -100,14 +100,13 @@ class Intervals:
         n_full = f_stop - f_first
         n_part = (stop - first) - n_full
         dev = self.lo.device
-        w = max(int(n_part.max()) if n_part.numel() else 0, 1)
-        j = torch.arange(w, device=dev)[None, :]
+        nkb = max(-(-self.num_keys // block), 1)
+        j = torch.arange(nkb, device=dev)[None, :]  # kv_indices are [.., QB, KVB], as FlexAttention lays them out
         before = (f_first - first)[:, None]
         part = torch.where(j < before, first[:, None] + j, f_stop[:, None] + (j - before))
-        wf = max(int(n_full.max()) if n_full.numel() else 0, 1)
-        full = f_first[:, None] + torch.arange(wf, device=dev)[None, :]
-        nkb = max(-(-self.num_keys // block), 1)
-        part, full = part.clamp(0, nkb - 1), full.clamp(0, nkb - 1)
+        full = f_first[:, None] + j
+        part = torch.where(j < n_part[:, None], part, 0).clamp(0, nkb - 1)
+        full = torch.where(j < n_full[:, None], full, 0).clamp(0, nkb - 1)
         i32 = torch.int32
         return BlockMask.from_kv_blocks(
             n_part.to(i32)[None, None], part.to(i32)[None, None], n_full.to(i32)[None, None], full.to(i32)[None, None],
