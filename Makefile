@@ -37,6 +37,7 @@ $(PETA_STAMP): requirements-petastorm.lock $(STAMP)
 jars: $(STAMP)
 	$(BIN)/userwise jars >/dev/null
 	$(BIN)/python -m userwise.pipelines.tools.hdfs_store >/dev/null  # the HDFS minicluster (tests/remote, make demo-remote)
+	$(BIN)/python -m userwise.pipelines.tools.s3_store >/dev/null  # Spark's S3 connector, 13 MB (s3a://; tests/remote/test_s3_store.py)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 # Two pytest-xdist workers, a test file per worker at a time (module fixtures such as a

@@ -11,7 +11,9 @@ tries, in the set's order:
 ``make``). Why 4.4.0: PyPI's delta-spark 4.4.1 is the Python API; Maven Central serves
 the Spark 4.2 build of the jar (delta-spark_4.2_2.13) at 4.4.0, and the 4.4.x Python API
 drives it unchanged. The HDFS minicluster's set lives with its launcher
-(``pipelines/tools/hdfs_store.py``).
+(``pipelines/tools/hdfs_store.py``). :data:`S3` is Spark's S3 connector (``s3a://``), for
+the sessions that read or write S3: hadoop-aws and the AWS SDK modules it loads, not the
+SDK's 686 MB bundle (``s3-jars.xml``; ``pipelines/tools/s3_store.py`` gives the settings).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class JarSet:
     beside this module; ``folder``: its folder under :func:`cache_dir` ("" for the cache
     itself); ``needed``: the file names that must be there; ``whole_folder``: the class path
     is every jar of the folder (the packages' dependencies too), not only ``needed``;
-    ``maven_first``: try Maven before Ivy.
+    ``maven_first``: try Maven before Ivy; ``excludes``: ``group:artifact`` patterns (``*``
+    for any artifact) Spark's resolver leaves out, as the pom's exclusions do for Maven.
 
     Example::
 
@@ -52,6 +55,7 @@ class JarSet:
     needed: tuple[str, ...]
     whole_folder: bool = False
     maven_first: bool = False
+    excludes: tuple[str, ...] = ()
 
     def dest(self) -> Path:
         return cache_dir() / self.folder if self.folder else cache_dir()
@@ -76,6 +80,25 @@ DELTA = JarSet(
 )
 
 
+HADOOP_AWS_VERSION = "3.5.0"  # the Hadoop client pyspark 4.2 ships (pyspark/jars/hadoop-client-api-3.5.0.jar)
+AWS_SDK_VERSION = "2.35.4"  # hadoop-project 3.5.0's aws-java-sdk-v2.version
+_SDK_MODULES = ("s3", "s3-transfer-manager", "sts", "apache-client", "netty-nio-client")
+S3 = JarSet(
+    name=f"Spark's S3 connector (hadoop-aws {HADOOP_AWS_VERSION}, AWS SDK {AWS_SDK_VERSION} modules)",
+    packages=(f"org.apache.hadoop:hadoop-aws:{HADOOP_AWS_VERSION}",
+              *(f"software.amazon.awssdk:{m}:{AWS_SDK_VERSION}" for m in _SDK_MODULES)),
+    pom="s3-jars.xml",
+    folder=f"s3-{HADOOP_AWS_VERSION}",
+    needed=(f"hadoop-aws-{HADOOP_AWS_VERSION}.jar", f"sdk-core-{AWS_SDK_VERSION}.jar",
+            *(f"{m}-{AWS_SDK_VERSION}.jar" for m in _SDK_MODULES)),
+    whole_folder=True,
+    maven_first=True,
+    # as s3-jars.xml: the bundle, and what pyspark's own jars folder already holds
+    excludes=("software.amazon.awssdk:bundle", "org.wildfly.openssl:*", "io.netty:*",
+              "org.apache.httpcomponents:*", "commons-codec:*", "commons-logging:*", "org.slf4j:*"),
+)
+
+
 def cache_dir() -> Path:
     env = os.environ.get("USERWISE_JARS")
     if env:
@@ -97,7 +120,10 @@ def _via_ivy(js: JarSet, dest: Path, log) -> bool:
     try:
         noop = ivy / "noop.py"
         noop.write_text("pass\n")
-        cmd = [str(submit), "--conf", f"spark.jars.ivy={ivy}", "--packages", ",".join(js.packages), str(noop)]
+        cmd = [str(submit), "--conf", f"spark.jars.ivy={ivy}", "--packages", ",".join(js.packages)]
+        if js.excludes:
+            cmd += ["--exclude-packages", ",".join(js.excludes)]
+        cmd.append(str(noop))
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
