@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
     a = p.parse_args(argv)
     from userwise.pipelines.loader import UserwiseDataset
-    from userwise.pipelines.loader.loader import keep_heap
+    from userwise.pipelines.loader.workers import keep_heap
 
     keep_heap()  # as in the loader's worker processes, where the benchmark's epochs decode
 

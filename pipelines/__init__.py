@@ -7,15 +7,23 @@ The data path, in order (each step is a subpackage; its ``__init__`` says more):
    samples, with bad rows in quarantine. ``validate`` is its front door
    (no JVM), ``expand`` its way back to point-wise rows.
 2. :mod:`~userwise.pipelines.shards`: samples become balanced per-node Parquet
-   shard sets with a manifest (preshard, Spark); ``publish`` moves a set into
+   shard sets with a manifest (preshard, Spark); ``publish`` puts a set in
    place; ``stage`` pulls one node's shards onto local NVMe (no Spark).
 3. :mod:`~userwise.pipelines.loader` (PyTorch, never pyspark): one node's staged
    shards stream into training as jagged batches in pinned memory.
+4. :mod:`~userwise.pipelines.train` (PyTorch): the trainer's half of the pointer:
+   leak-free masks, kernel layouts and a reference model over those batches.
 
-Beside the path: :mod:`~userwise.pipelines.runtime` (the Spark session, Delta's
-jars, Delta I/O, shipping the project to executors), :mod:`~userwise.pipelines.tools`
-(synthetic logs, the demo), and the modules every part shares: ``config`` (the
-column roles), ``errors`` (errors a user can act on) and ``cli`` (``userwise``).
+Below the steps: :mod:`~userwise.pipelines.runtime` (storage, progress, the Spark
+session, Delta's jars, Delta I/O, shipping the project to executors) and
+:mod:`~userwise.pipelines.records` (the build folder's records: build.json, the
+complete state, writer locks, published records). Above them:
+:mod:`~userwise.pipelines.manage` (backfill, forget: both steps at once) and
+:mod:`~userwise.pipelines.tools` (synthetic logs and samples, local stores, the demo).
+The modules every part shares: ``errors`` (errors a user can act on), ``console`` (a
+command's report on stdout, text or JSON, and the exit codes), ``config`` (the column
+roles) and ``cli`` (the ``userwise`` command). ``tests/ops/test_layers.py``
+holds the order in which they may import each other.
 
 Nothing here imports pyspark at package import time.
 """

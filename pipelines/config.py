@@ -20,6 +20,7 @@ import yaml
 from userwise.pipelines.errors import UserwiseError
 from userwise.schemas import TIME_UNITS, Layout, SeqField
 from userwise.schemas.layout import (
+    UNITS_PER_SECOND,
     field_name,
     snapshot_element_type,
     source_schema_of,
@@ -126,7 +127,7 @@ class Config:
 
     @property
     def units_per_second(self) -> int:
-        return {"s": 1, "ms": 1000, "us": 1_000_000}[self.time_unit]
+        return UNITS_PER_SECOND[self.time_unit]
 
     def storage(self) -> Config:
         """The same config with every column named by its storage name (as the Spark

@@ -33,7 +33,9 @@ def one_line(exc: BaseException, log_path: str | None = None) -> tuple[int, str]
     """The exit code and the one ``error:`` line the CLI prints for ``exc``.
 
     2: a failure the user can fix (bad input, config, path, disk, a concurrent writer);
+    3: a Spark job failed (Spark's or Py4J's own error; its log's path is named);
     1: an internal error (the traceback is shown with ``userwise --debug``).
+    The codes are :mod:`userwise.pipelines.console`'s.
     """
     where = f" (Spark's log: {log_path})" if log_path else ""
     if isinstance(exc, UserwiseError):  # one line, even where it quotes a library's message
@@ -45,7 +47,7 @@ def one_line(exc: BaseException, log_path: str | None = None) -> tuple[int, str]
     mod = type(exc).__module__ or ""
     if mod.startswith(("pyspark", "py4j")):
         msg = _spark_message(exc)
-        return 2, f"Spark failed: {msg}{where}; rerun with `userwise --debug ...` for the full trace"
+        return 3, f"Spark failed: {msg}{where}; rerun with `userwise --debug ...` for the full trace"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return 1, (f"internal error ({name}: {first}){where}; rerun with `userwise --debug ...` for the "
                "traceback and report it")

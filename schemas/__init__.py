@@ -2,6 +2,16 @@
 
 Each schema is defined once with Arrow types; ``to_spark()`` and
 ``to_delta()`` derive the other forms. Import without Spark: the loader does.
+
+- ``core``: :class:`TableSchema` and :class:`Field` (Arrow, with the Spark and Delta forms
+  derived), the format versions of every table, file and record, schema fingerprints.
+- ``layout``: how a user's input columns land in our tables (storage names, prefixes, roles).
+- ``tables``: every table and file the product reads or writes (build tables, quarantine,
+  samples, shards, the manifest's keys, the synthetic logs).
+- ``labels``: action bits: which label each bit of an action mask stands for.
+- ``reasons``: the one vocabulary of quarantine reasons.
+- ``hashing``: Spark's ``xxhash64`` in Python, for ids the build makes (``sample_id``) and
+  the shard assignment's tie-breaks.
 """
 
 from userwise.schemas.core import (

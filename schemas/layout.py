@@ -50,7 +50,10 @@ OVR = "ovr_"
 EV = "ev_"
 SNAP = "snap_"
 
-TIME_UNITS = ("s", "ms", "us")
+UNITS_PER_SECOND = {"s": 1, "ms": 1000, "us": 1_000_000}
+"""The config's ``time_unit`` values and their units per second: every time in our tables is an
+integer epoch in one of them (Arrow timestamps of the input also come in ``ns``)."""
+TIME_UNITS = tuple(UNITS_PER_SECOND)
 
 # Names of our own sequence and event fields (after seq_, ev_, ovr_, snap_) and of the
 # samples' num_events: a user's feature or snapshot role of one of these names is stored as _<name>.

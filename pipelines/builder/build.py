@@ -16,6 +16,7 @@ import datetime as dt
 import json
 
 from userwise.pipelines import config as C
+from userwise.pipelines import console
 from userwise.pipelines.builder import inputs, validate
 from userwise.pipelines.builder.history import History
 from userwise.pipelines.builder.steps import as_date, ingest_range, log, log_set, set_samples
@@ -102,7 +103,7 @@ def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict
     return rep
 
 
-def print_report(rep: dict) -> None:
+def report_text(rep: dict) -> str:
     q = rep.get("quarantined", {})
     lines = [
         f"rows read           {rep['rows_read']}",
@@ -117,7 +118,7 @@ def print_report(rep: dict) -> None:
         lines.append(f"snapshots           overrides={rep['overrides']} leaking={rep['leaking_snapshots']} "
                      f"null={rep['null_snapshots']}")
     lines.append(f"bytes in / out      {rep['bytes_in']} / {rep['bytes_out']}  ratio {rep['storage_ratio']}")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 def cli(args) -> int:
@@ -126,9 +127,9 @@ def cli(args) -> int:
     cfg = C.load(args.config)
     validate.front_door(cfg, args.input, args.actions)  # the same refusals as `userwise validate`, before Spark
     spark = get_spark(master=args.master)
-    rep = build(spark, cfg, args.input, args.output, args.as_of, args.pretrain_days, args.window_days,
+    rep = build(spark, cfg, args.input, args.build_dir, args.as_of, args.incremental_days, args.window_days,
                 args.actions)
-    print_report(rep)
+    console.emit(rep, report_text)
     if args.report:  # a local path or a store's URL
         storage.write_bytes(args.report, json.dumps(rep, indent=1, sort_keys=True, default=str).encode())
     if not rep["reconciled"]:

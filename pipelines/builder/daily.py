@@ -18,9 +18,9 @@ from __future__ import annotations
 import datetime as dt
 
 from userwise.pipelines import config as C
+from userwise.pipelines import console
 from userwise.pipelines.builder.history import History
 from userwise.pipelines.builder.steps import as_date, ingest_range, log, pretrain_samples, window_samples
-from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, progress
 
@@ -72,9 +72,7 @@ def _spark(args):
 
 
 def _print(obj) -> None:
-    import json
-
-    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+    console.emit(obj)
 
 
 def requests_cli(args) -> int:
@@ -82,26 +80,23 @@ def requests_cli(args) -> int:
 
     cfg = C.load(args.config)
     validate.front_door(cfg, args.input, args.actions)
-    _print(requests_day(_spark(args), cfg, args.input, args.output, args.date, args.actions))
+    _print(requests_day(_spark(args), cfg, args.input, args.build_dir, args.date, args.actions))
     return 0
 
 
 def history_cli(args) -> int:
     cfg = C.load(args.config)
-    _print(history_day(_spark(args), cfg, args.output, args.date))
+    _print(history_day(_spark(args), cfg, args.build_dir, args.date))
     return 0
 
 
 def window_cli(args) -> int:
     cfg = C.load(args.config)
-    _print(window_day(_spark(args), cfg, args.output, args.date, args.window_days))
+    _print(window_day(_spark(args), cfg, args.build_dir, args.date, args.window_days))
     return 0
 
 
 def pretrain_cli(args) -> int:
     cfg = C.load(args.config)
-    if args.pretrain_days < 0:
-        raise UserwiseError("--pretrain-days must be >= 0")
-    as_of = as_date(args.date)
-    _print(pretrain(_spark(args), cfg, args.output, as_of, args.pretrain_days))
+    _print(pretrain(_spark(args), cfg, args.build_dir, as_date(args.as_of), args.incremental_days))
     return 0

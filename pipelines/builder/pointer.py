@@ -25,6 +25,7 @@ from userwise import schemas as S
 from userwise.pipelines.builder.ingest import day_of
 from userwise.pipelines.config import Config
 from userwise.schemas import EV, IMP, OVR, REQ, SEQ, Layout
+from userwise.schemas.hashing import sample_id_column
 
 UNB = Window.unboundedPreceding
 CUR = Window.currentRow
@@ -254,8 +255,7 @@ def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: 
         F.size(SEQ + first).cast("int").alias("num_events"),
     )
     out = out.withColumn("cost", (F.col("num_events") + F.col("num_impressions") + ovr_events).cast("long"))
-    out = out.withColumn("sample_id", F.xxhash64(F.col("kind"), F.col("window_end").cast("string"),
-                                                 F.col("user").cast("string"), F.col("chunk")))
+    out = out.withColumn("sample_id", sample_id_column())
     return out.select(*[f.name for f in S.samples_schema(layout).fields])
 
 

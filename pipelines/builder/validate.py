@@ -16,11 +16,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from userwise.pipelines import config as C
+from userwise.pipelines import console
 from userwise.pipelines.builder.inputs import arrow_dataset, input_schema
 from userwise.pipelines.errors import UserwiseError
+from userwise.schemas.layout import UNITS_PER_SECOND
 
-UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
-_TS_PER_SECOND = {"s": 1, "ms": 1000, "us": 1_000_000, "ns": 1_000_000_000}
+UNITS = UNITS_PER_SECOND
+_TS_PER_SECOND = {**UNITS_PER_SECOND, "ns": 1_000_000_000}  # Arrow timestamps' units
 
 
 def _epoch(col: pa.ChunkedArray, time_unit: str) -> pa.ChunkedArray:
@@ -142,9 +144,11 @@ def cli(args) -> int:
     sample = sample.cast(pa.schema([pa.field(f.name, t.type, f.nullable)
                                     for f, t in zip(sample.schema, schema)])) if sample.schema != schema else sample
     problems = sample_problems(cfg, sample)
-    print(f"config {args.config}: ok for {args.input} ({'fat rows' if layout.fat else 'lean log'}, "
-          f"{len(schema)} columns, {len(layout.passthrough)} carried through unmapped)")
-    for p in problems:
-        print(f"warning: {p}")
-    print(f"sampled {sample.num_rows} rows; {len(problems)} warnings")
+    rep = {"config": args.config, "input": args.input, "ok": True, "kind": "fat rows" if layout.fat else "lean log",
+           "columns": len(schema), "unmapped": len(layout.passthrough), "sampled_rows": sample.num_rows,
+           "warnings": problems}
+    console.emit(rep, lambda r: "\n".join(
+        [f"config {r['config']}: ok for {r['input']} ({r['kind']}, {r['columns']} columns, {r['unmapped']} "
+         "carried through unmapped)"] + [f"warning: {p}" for p in r["warnings"]]
+        + [f"sampled {r['sampled_rows']} rows; {len(r['warnings'])} warnings"]))
     return 0

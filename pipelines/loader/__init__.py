@@ -13,6 +13,26 @@ Public names::
   ``record_stream``, ``to_kjt``).
 - :func:`expand_batch`: a batch back to point-wise rows (pyarrow.Table).
 
+Modules, from the shard files to the trainer:
+
+- ``shards``: one node's staged shards: manifest, verification, row-group metadata.
+- ``plan``: the epoch plan, a pure seeded function of row-group sizes (rank split, equal
+  batch counts, shuffle, batch cuts).
+- ``dataset``: :class:`UserwiseDataset`: plans, reads and assembles one rank's batches.
+- ``decode``: shard bytes (Parquet or GDS side files) to flat columns.
+- ``layout``: where every array of a batch sits in its buffer, once per schema.
+- ``stacked``: a host buffer's columns stacked per group and shuffled once.
+- ``program``: the compiled assembler's two kernel calls per batch.
+- ``segcopy`` and ``kernels``: the segmented copy (numba, or numpy without it).
+- ``assemble``: the host assembler; ``assemble_torch``: the device assembler (GDS path).
+- ``batch``: :class:`JaggedBatch` and :func:`expand_batch`.
+- ``ring``: a worker's ring of reused shared-memory batch buffers.
+- ``lifeline``: how a worker process ends with its trainer, however the trainer ends.
+- ``workers``: the persistent worker processes and their pool.
+- ``pinned``: the pool of pinned host buffers, and page-locking workers' slots (CUDA).
+- ``loader``: :class:`UserwiseLoader` (workers, pinned copies, side-stream prefetch, state).
+- ``diagnose``: ``userwise diagnose``, the three-step bottleneck test.
+
 Never imports pyspark.
 """
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from userwise.pipelines import console
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader.batch import JaggedBatch
 from userwise.pipelines.loader.dataset import UserwiseDataset
@@ -92,11 +93,16 @@ def _cycle(loader):
 
 
 def cli(args) -> int:
-    r = run(args.shards, device=args.device, batch_size=args.batch_size, batches=args.batches,
+    r = run(args.staged, device=args.device, batch_size=args.batch_size, batches=args.batches,
             num_workers=getattr(args, "workers", 0) or 0)
-    print(f"device: {r['device']}  data path: {r['data_path']}")
-    print(f"1. generated on the device : {r['device_samples_per_s']:12.0f} samples/s")
-    print(f"2. host, copied each step  : {r['host_copy_samples_per_s']:12.0f} samples/s")
-    print(f"3. read from shards        : {r['shards_samples_per_s']:12.0f} samples/s  (consumer waited {r['wait_share']:.0%})")
-    print(f"bottleneck: {r['bottleneck']}")
+    console.emit(r, report_text)
     return 0
+
+
+def report_text(r: dict) -> str:
+    return "\n".join([
+        f"device: {r['device']}  data path: {r['data_path']}",
+        f"1. generated on the device : {r['device_samples_per_s']:12.0f} samples/s",
+        f"2. host, copied each step  : {r['host_copy_samples_per_s']:12.0f} samples/s",
+        f"3. read from shards        : {r['shards_samples_per_s']:12.0f} samples/s  (consumer waited {r['wait_share']:.0%})",
+        f"bottleneck: {r['bottleneck']}"])

@@ -32,6 +32,7 @@ import json
 import sys
 import time
 
+from userwise.pipelines import console
 from userwise.pipelines.builder import daily, steps
 from userwise.pipelines.builder.history import History
 from userwise.pipelines.errors import UserwiseError
@@ -139,8 +140,9 @@ def cli(args) -> int:
     validate.front_door(cfg, args.input, args.actions)
     spark = get_spark(args.master, app="userwise-backfill")
     res = backfill(spark, cfg, date_from=args.date_from, date_to=args.date_to, input_path=args.input,
-                   output=args.output, actions_path=args.actions, shards=args.shards,
+                   output=args.build_dir, actions_path=args.actions, shards=args.shards,
                    window_days=args.window_days, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                    force=args.force, log=lambda m: progress.say(m, prefix=""))
-    print(json.dumps(res))
+    console.emit(res, lambda r: f"backfill {args.date_from}..{args.date_to}: built {len(r['built'])} days "
+                                f"{r['built']}, skipped {len(r['skipped'])} published {r['skipped']}")
     return 0

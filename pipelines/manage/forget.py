@@ -51,6 +51,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from userwise import schemas as S
+from userwise.pipelines import console
 from userwise.pipelines.errors import InputError, UserwiseError
 from userwise.pipelines.records import build_record, published, state
 from userwise.pipelines.runtime import delta_io, storage
@@ -325,12 +326,13 @@ def cli(args) -> int:
     from userwise.pipelines.runtime.spark import get_spark
 
     # Everything a user can get wrong fails before Spark starts.
-    _, layout, _ = build_record.load(args.output)
+    _, layout, _ = build_record.load(args.build_dir)
     users = read_users(args.users, layout.user.type)
-    _check_unfinished(args.output)
+    _check_unfinished(args.build_dir)
     sets = [s for r in (args.shards or []) for s in find_sets(r)]
     spark = get_spark(master=args.master)
-    rep = forget(spark, args.output, users, sets, args.vacuum,
+    rep = forget(spark, args.build_dir, users, sets, args.vacuum,
                  detail={"users": storage.absolute(args.users)})
-    print(json.dumps(rep, indent=1, sort_keys=True))
+    console.emit(rep, lambda r: f"forgot {r['users']} users: rows deleted {r['tables']}; "
+                                f"{len(r['shards'])} shard sets rewritten; vacuumed {r['vacuumed'] or 'nothing'}")
     return 0

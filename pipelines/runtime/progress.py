@@ -73,7 +73,7 @@ def step(name: str, counter=None, started: float | None = None):
     with _lock:
         _stack.append(name)
         outermost = len(_stack) == 1
-    if outermost and not QUIET and _isatty(sys.stderr):
+    if outermost and not QUIET and isatty(sys.stderr):
         bar = _Bar(t0)
         bar.start()
     try:
@@ -90,7 +90,7 @@ def step(name: str, counter=None, started: float | None = None):
 # ---------------------------------------------------------------------------
 # The bar
 # ---------------------------------------------------------------------------
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):

@@ -8,12 +8,11 @@ directory entries, so ``--py-files userwise-0.1.0-py3-none-any.whl`` leaves
 holds the same files as the wheel plus those directory entries (and no
 ``.dist-info``).
 
-    python -m userwise.pipelines.runtime.ship            # -> dist/userwise-0.1.0-pyfiles.zip
+    userwise ship            # -> dist/userwise-<version>-py3-none-any.whl, dist/userwise-<version>-pyfiles.zip
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import shutil
 import subprocess
@@ -71,17 +70,12 @@ def build(dist: str | Path = "dist", project: str | Path = PROJECT) -> Path:
     return pyfiles_zip(build_wheel(dist, project))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m userwise.pipelines.runtime.ship", description=__doc__.splitlines()[0])
-    p.add_argument("--dist", default="dist")
-    a = p.parse_args(argv)
-    try:
-        print(build(a.dist))
-    except UserwiseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def cli(args) -> int:
+    """``userwise ship``: the wheel and the zip, for ``pip install`` and ``spark-submit --py-files``."""
+    from userwise.pipelines import console
+
+    zip_path = build(args.dist)
+    wheel = next(Path(zip_path).parent.glob("userwise-*.whl"))
+    console.emit({"wheel": str(wheel), "py_files": str(zip_path)},
+                 f"wheel: {wheel}\n--py-files: {zip_path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,8 +2,12 @@
 
 - ``manifest``: the shard set's manifest: the one reader, writer and verifier.
 - ``balance``: a pure, seeded assignment of samples to nodes and ranks by cost.
-- ``preshard``: writes the shard sets from a build's samples (Spark reads the table).
 - ``gds``: the raw side files for GPUDirect Storage reads.
-- ``publish``: moves a finished shard set into place atomically.
+- ``preshard``: writes the shard sets from a build's samples (Spark reads the table).
+- ``publish``: puts a finished shard set in place and marks it published (marker, then the
+  build folder's record, last).
 - ``stage``: copies one node's shards to local disk, verified and resumable (no Spark).
+
+The format (``manifest``, ``gds``, ``balance``) is what the loader reads too; preshard alone
+imports pyspark, and only when it runs.
 """

@@ -32,26 +32,18 @@ Example::
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
+
+from userwise.schemas.hashing import xxhash64
 
 ASSIGN_SALT = 1
 ORDER_SALT = 2
-SPARK_HASH_SEED = 42
 
 
 def tiebreak(ids, seed: int, salt: int) -> np.ndarray:
     """Spark's ``xxhash64(lit(seed).cast('long'), lit(salt).cast('long'), id)`` for int64 ids."""
-    import xxhash
-
-    def one(v: int) -> int:
-        h = SPARK_HASH_SEED
-        for x in (seed, salt, v):
-            h = xxhash.xxh64_intdigest(struct.pack("<q", x), seed=h)
-        return h - (1 << 64) if h >= 1 << 63 else h
-
-    return np.array([one(int(v)) for v in np.asarray(ids, dtype=np.int64)], dtype=np.int64)
+    return np.array([xxhash64([(seed, "long"), (salt, "long"), (int(v), "long")])
+                     for v in np.asarray(ids, dtype=np.int64)], dtype=np.int64)
 
 
 def snake(index, slots: int):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -34,21 +33,18 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from userwise.pipelines import console
 from userwise.pipelines.errors import InputError, UserwiseError
 from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance
 from userwise.pipelines.shards import manifest as mf
-from userwise.schemas import FORMAT_VERSION, TableSchema
+from userwise.schemas import FORMAT_VERSION, MANIFEST_SHARD, TableSchema
 from userwise.schemas.core import Field, schema_fingerprint, schema_list
 
 KINDS = ("pretrain", "incremental")
-STATS = pa.schema([
-    ("shard", pa.int64()), ("path", pa.string()), ("node", pa.int32()), ("rank", pa.int32()),
-    ("rows", pa.int64()), ("events", pa.int64()), ("impressions", pa.int64()), ("cost", pa.int64()),
-    ("bytes", pa.int64()), ("row_groups", pa.int32()), ("sha256", pa.string()),
-    ("gds_path", pa.string()), ("gds_bytes", pa.int64()), ("gds_sha256", pa.string()),
-])
+# What a shard writer returns: the shard's number and its manifest entry (schemas.MANIFEST_SHARD)
+STATS = pa.schema([("shard", pa.int64()), *[(f.name, f.type) for f in MANIFEST_SHARD.to_arrow()]])
 # helper columns that travel with the rows to the writer and are dropped there
 AUX = ("_shard", "_node", "_rank", "_order", "_est")
 
@@ -685,12 +681,11 @@ def cli(args) -> int:
     from userwise.pipelines.runtime.spark import get_spark
 
     spark = get_spark(args.master, app="userwise-preshard")
-    m = preshard(spark, samples=args.samples, output=args.output, nodes=args.nodes,
+    m = preshard(spark, samples=args.build_dir, output=args.shards, nodes=args.nodes,
                  ranks_per_node=args.ranks_per_node, kind=args.kind, window=args.window,
                  target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
                  row_group_mb=args.row_group_mb, compression=args.compression,
                  layout=args.layout, seed=args.seed, window_days=args.window_days,
                  dictionary=args.dictionary)
-    print(format_report(m["_report"]), file=sys.stderr)
-    print(json.dumps(m["_report"]))
+    console.emit(m["_report"], format_report)
     return 0

@@ -31,20 +31,18 @@ shared filesystem and on HDFS (a folder rename is one name node operation).
 store, where a folder rename is a copy, rely on the marker: readers must only
 read sets whose ``_PUBLISHED.json`` exists.)
 
-    python -m userwise.pipelines.shards.publish --output D --shards S --date 2026-01-04 [--window-days N]
-    python -m userwise.pipelines.shards.publish --output D --shards S --kind pretrain --as-of 2026-02-01
+    userwise publish --build-dir D --shards S --date 2026-01-04 [--window-days N]
+    userwise publish --build-dir D --shards S --kind pretrain --as-of 2026-02-01
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import os
-import sys
 
 import pyarrow.fs as pafs
 
+from userwise.pipelines import console
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.records import published, state
 from userwise.pipelines.records.state import write_json
@@ -187,29 +185,11 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     return rec
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="publish", description="publish a pre-sharded set (marker last)")
-    p.add_argument("--output", required=True, help="the build folder")
-    p.add_argument("--shards", help="shard root S (the set is staged under S/_staging/...)")
-    p.add_argument("--kind", choices=["incremental", "pretrain"], default="incremental")
-    p.add_argument("--date", help="processed UTC day (incremental)")
-    p.add_argument("--as-of", help="pretrain as-of date")
-    p.add_argument("--window-days", type=int, default=1)
-    p.add_argument("--master", help="ignored (spark-submit passes it; publish needs no Spark)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    try:
-        rec = publish(a.output, kind=a.kind, date=a.date, as_of=a.as_of, shards=a.shards,
-                      window_days=a.window_days)
-    except UserwiseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rec, sort_keys=True))
+def cli(args) -> int:
+    """``userwise publish``: the handler (``jobs/publish.py`` under spark-submit, the daily DAG)."""
+    rec = publish(args.build_dir, kind=args.kind, date=args.date, as_of=args.as_of, shards=args.shards,
+                  window_days=args.window_days)
+    what = f"{rec['kind']} {rec.get('date') or rec.get('as_of')}"
+    console.emit(rec, f"published {what}" + (f": {rec['shards']['rows']} samples at {rec['shards']['root']}"
+                                              if rec["shards"] else " (tables only, no shards)"))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Copy one node's shards onto local disk: parallel, verified, resumable.
 
-``userwise stage --shards S --node k --dest /nvme/x [--workers 8]``
+``userwise stage --shards S --node k --staged /nvme/x [--workers 8]``
 
 - ``S`` is a local path or any URL that pyarrow.fs or fsspec opens (hdfs://,
   s3://, gs://, ...). The manifest must be there (else the set is incomplete)
@@ -19,9 +19,13 @@
   lists the ranges finished, so a resumed copy fetches only the others, and the whole
   file is hashed once complete (a local read).
 - Free space for what is left to copy is checked before anything is copied.
-- A store that stops answering (the name node gone, the network down) ends the run with
-  one ``error:`` line; finished files and partial copies stay, and the same command
-  resumes.
+- A read that fails on the store (a reset connection, a timeout, the store's own error) is
+  retried ``--retries`` times (4) with exponential backoff from 1 s, resuming from what it
+  had copied; a store that stays down (the name node gone, the network down) then ends the
+  run with one ``error:`` line. Finished files and partial copies stay, and the same
+  command resumes.
+- Progress on stderr: one line redrawn in place on a terminal, a new line every 10 s
+  elsewhere (a log), nothing with ``--quiet``.
 - ``dest/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
   first and written last: a half-staged folder has none, and the loader
   refuses it.
@@ -42,11 +46,15 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import pyarrow.fs as pafs
 
+from userwise.pipelines import console
 from userwise.pipelines.errors import ShardError
+from userwise.pipelines.runtime import progress
 from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION
 
 MARGIN = 16 << 20  # free space kept besides what the copy needs
+RETRIES = 4  # a failed read is retried this often (exponential backoff) before the node fails
+BACKOFF_S = 1.0  # the first retry's wait; each next one waits twice as long
 CHUNK = 8 << 20  # bytes per read: one ranged request on an HTTP store
 RANGE_MB = 64.0  # files larger than this are copied as parallel ranges of this size
 
@@ -75,13 +83,19 @@ def _is_store_failure(e: BaseException) -> bool:
 
 
 class _Progress:
-    """Files, bytes and MB/s on stderr, at most every ``every`` seconds."""
+    """Files, bytes and MB/s on stderr: on a terminal one line redrawn in place (at most every
+    ``every`` seconds), elsewhere (a log file, a CI console) a new line every ``every_log``
+    seconds, so a log is not flooded. Nothing with ``--quiet`` (``progress.QUIET``)."""
 
     def __init__(self, node: int, files: int, total: int, *, out=sys.stderr, every: float = 0.5,
-                 limit_mbps: float | None = None):
-        self.node, self.files, self.total, self.out, self.every = node, files, total, out, every
+                 every_log: float = 10.0, limit_mbps: float | None = None):
+        self.node, self.files, self.total = node, files, total
+        self.out = None if progress.QUIET else out
+        self.tty = progress.isatty(out)
+        self.every = every if self.tty else every_log
         self.limit = limit_mbps * 1e6 if limit_mbps else None
         self.done_files = self.done_bytes = 0
+        self.retries = 0
         self.t0 = self.last = time.monotonic()
         self.lock = threading.Lock()
 
@@ -91,7 +105,7 @@ class _Progress:
             now = time.monotonic()
             if now - self.last >= self.every:
                 self.last = now
-                self._print(now)
+                self._print(now, final=False)
             ahead = self.done_bytes / self.limit - (now - self.t0) if self.limit else 0
         if ahead > 0:
             time.sleep(ahead)
@@ -100,16 +114,51 @@ class _Progress:
         with self.lock:
             self.done_files += 1
 
-    def _print(self, now: float, end: str = "\n") -> None:
+    def retried(self, what: str, attempt: int, wait: float, e: BaseException) -> None:
+        with self.lock:
+            self.retries += 1
+            if self.out is not None:
+                self._clear()
+                print(f"stage node={self.node}: {what}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                      f"; retry {attempt} in {wait:.1f} s", file=self.out, flush=True)
+
+    def _clear(self) -> None:
+        if self.tty:
+            self.out.write("\r\x1b[K")
+
+    def _print(self, now: float, final: bool) -> None:
+        if self.out is None:
+            return
         dt_ = max(now - self.t0, 1e-9)
-        print(f"stage node={self.node}: files {self.done_files}/{self.files}, "
-              f"{self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {self.done_bytes / 1e6 / dt_:.1f} MB/s",
-              file=self.out, end=end, flush=True)
+        text = (f"stage node={self.node}: files {self.done_files}/{self.files}, "
+                f"{self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {self.done_bytes / 1e6 / dt_:.1f} MB/s")
+        if self.tty:
+            self.out.write("\r" + text + "\x1b[K" + ("\n" if final else ""))
+            self.out.flush()
+        else:
+            print(text, file=self.out, flush=True)
 
     def finish(self) -> float:
         now = time.monotonic()
-        self._print(now)
+        with self.lock:
+            self._print(now, final=True)
         return now - self.t0
+
+
+def retrying(fn, *, retries: int, backoff: float, what: str, prog: _Progress, stop: threading.Event):
+    """Run ``fn()``; a failure of the store (:func:`_is_store_failure`: a reset connection, a
+    timeout, the store's own error) is retried up to ``retries`` times, waiting ``backoff``,
+    then twice that, and so on; anything else, or the last failure, is raised."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if attempt == retries or stop.is_set() or not _is_store_failure(e):
+                raise
+            wait = backoff * (2 ** attempt)
+            prog.retried(what, attempt + 1, wait, e)
+            if stop.wait(wait):
+                raise
 
 
 def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
@@ -128,11 +177,15 @@ def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
 
 
 def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: float | None = None,
-          fs=None, out=sys.stderr, range_mb: float = RANGE_MB) -> dict:
-    """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict."""
+          fs=None, out=sys.stderr, range_mb: float = RANGE_MB, retries: int = RETRIES,
+          backoff: float = BACKOFF_S) -> dict:
+    """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict.
+
+    A file's (or a range's) copy that fails on the store is retried ``retries`` times with
+    exponential backoff from ``backoff`` seconds, resuming from what it had copied."""
     try:
         return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
-                      range_bytes=max(int(range_mb * (1 << 20)), 1 << 16))
+                      range_bytes=max(int(range_mb * (1 << 20)), 1 << 16), retries=retries, backoff=backoff)
     except Exception as e:
         if (fs is None and "://" not in shards) or not _is_store_failure(e):
             raise
@@ -143,7 +196,7 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
 
 
 def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float | None, fs, out,
-           range_bytes: int) -> dict:
+           range_bytes: int, retries: int, backoff: float) -> dict:
     src_fs, src_base = mf.resolve(shards, fs)
     m = mf.load(shards, fs)
     if int(m["format_version"]) != FORMAT_VERSION:
@@ -312,8 +365,12 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
         big[rel] = [left, threading.Lock(), size, sha]
         tasks += [(one_range, (rel, size, sha, r)) for r in sorted(left)]
 
+    def task(fn, a):
+        what = a[0] if fn is one else f"{a[0]} range {a[3]}"
+        return lambda: retrying(lambda: fn(*a), retries=retries, backoff=backoff, what=what, prog=prog, stop=stop)
+
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        futs = [ex.submit(fn, *a) for fn, a in tasks]
+        futs = [ex.submit(task(fn, a)) for fn, a in tasks]
         done, _ = wait(futs, return_when=FIRST_EXCEPTION)
         err = next((f.exception() for f in done if f.exception() is not None), None)
         if err is not None:
@@ -325,7 +382,7 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
     # 4. the manifest, last
     mf.write(dest, dict(m, staged_node=node))
     return {"node": node, "dest": dest, "files": len(items), "copied": len(pending), "skipped": skipped,
-            "resumed": len(resumed), "bytes": prog.done_bytes, "seconds": round(seconds, 3),
+            "resumed": len(resumed), "retries": prog.retries, "bytes": prog.done_bytes, "seconds": round(seconds, 3),
             "mb_per_s": round(prog.done_bytes / 1e6 / max(seconds, 1e-9), 2)}
 
 
@@ -375,10 +432,14 @@ def disk_free(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def cli(args) -> int:
-    import json
+def report_text(rep: dict) -> str:
+    return (f"staged node {rep['node']} into {rep['dest']}: {rep['files']} files, {rep['copied']} copied "
+            f"({rep['resumed']} resumed), {rep['skipped']} already there, {rep['bytes'] / 1e6:.1f} MB in "
+            f"{rep['seconds']:.1f} s ({rep['mb_per_s']:.1f} MB/s)")
 
-    rep = stage(args.shards, args.node, args.dest, workers=args.workers,
-                limit_mbps=getattr(args, "limit_mbps", None), range_mb=getattr(args, "range_mb", RANGE_MB))
-    print(json.dumps(rep))
+
+def cli(args) -> int:
+    rep = stage(args.shards, args.node, args.staged, workers=args.workers, limit_mbps=args.limit_mbps,
+                range_mb=args.range_mb, retries=args.retries)
+    console.emit(rep, report_text)
     return 0

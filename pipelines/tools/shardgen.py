@@ -6,7 +6,7 @@ Every sample obeys the pointer semantics (README "The pointer"): the stored
 sequence is sorted by time; request r sees ``seq[begin:end]`` with ``end`` =
 the events strictly before its time and ``begin = max(0, end - L)``; the
 stored sequence holds exactly ``[min begin, max end)``. ``sample_id`` is
-xxhash64 of (kind, window end, user, chunk), as a build makes it.
+the build's own (:func:`userwise.schemas.hashing.sample_id`).
 
 Sizes: light users' event counts follow a Pareto law (``event_scale``,
 capped at ``max_events``); ``heavy`` users come in three chunks each of a cost
@@ -34,12 +34,12 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from userwise import schemas
 from userwise.pipelines import config
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools import synth
+from userwise.schemas.hashing import sample_id
 
 MS_DAY = 86_400_000
 EPOCH = dt.date(1970, 1, 1)
@@ -58,11 +58,6 @@ def layout() -> schemas.Layout:
     """The layout of the synthetic lean log (``userwise synth``'s config.yaml)."""
     cfg = synth.make_config(20, 0, fat=False, actions=False)
     return config.parse(cfg).layout(schemas.SYNTH_IMPRESSIONS.to_arrow())
-
-
-def sample_id(kind: str, window_end, user: int, chunk: int) -> int:
-    """xxhash64 of (kind, window_end, user, chunk), as a signed int64."""
-    return xxhash.xxh64_intdigest(f"{kind}|{window_end}|{user}|{chunk}".encode()) - (1 << 63)
 
 
 def _ms(d: dt.date) -> int:

@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from userwise import schemas as S
+from userwise.pipelines import console
 from userwise.pipelines.errors import UserwiseError
 from userwise.schemas import reasons as R
 
@@ -758,6 +759,9 @@ def cli(args) -> int:
               impressions=args.impressions, max_seq_len=args.max_seq_len, fmt=args.format, kinds=kinds,
               bad_rows=args.bad_rows, seed=args.seed)
     total = {k: sum(v.values()) for k, v in s["rows"].items()}
-    print(f"synth: wrote {args.output} ({args.format}): " + ", ".join(f"{k} {n:,} rows" for k, n in total.items())
-          + f"; {s['users']:,} users, bot user_id {s['bot_user_id']}", file=sys.stderr)
+    rep = {"output": args.output, "format": args.format, "rows": total, "users": s["users"],
+           "bot_user_id": s["bot_user_id"]}
+    console.emit(rep, f"synth: wrote {args.output} ({args.format}): "
+                 + ", ".join(f"{k} {n:,} rows" for k, n in total.items())
+                 + f"; {s['users']:,} users, bot user_id {s['bot_user_id']}")
     return 0

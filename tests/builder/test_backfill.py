@@ -176,7 +176,7 @@ def test_killed_backfill_resumes_and_matches_an_uninterrupted_run(data, daily_ru
         p.wait()
     assert publish.is_published(out, "incremental", DAYS[0], str(shards))
     assert not publish.is_published(out, "incremental", DAYS[1], str(shards))
-    resumed = subprocess.run(_cli_backfill(data, out, shards, DAYS[0], DAYS[1]), env=env,
+    resumed = subprocess.run(_cli_backfill(data, out, shards, DAYS[0], DAYS[1], "--json"), env=env,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1]) == {"built": [DAYS[1]], "skipped": [DAYS[0]]}

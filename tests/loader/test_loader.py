@@ -529,7 +529,7 @@ class _Event:
 
 
 def test_pinned_pool_reuses_buffers_only_after_their_copy_and_grows_within_its_cap():
-    from userwise.pipelines.loader.loader import PinnedPool
+    from userwise.pipelines.loader.pinned import PinnedPool
 
     made = []
     pool = PinnedPool(3, alloc=lambda n: made.append(torch.empty(n, dtype=torch.uint8)) or made[-1])
@@ -611,7 +611,7 @@ def test_zero_copy_consumer_holding_every_batch_gets_copies_and_never_stalls(sha
 
 _HEAP_PROBE = r"""
 import ctypes, resource, sys
-from userwise.pipelines.loader.loader import keep_heap
+from userwise.pipelines.loader.workers import keep_heap
 if sys.argv[1] == "keep":
     assert keep_heap()
 libc = ctypes.CDLL("libc.so.6")
@@ -643,7 +643,7 @@ def test_workers_keep_freed_buffers_in_the_heap():
 
 
 def test_worker_processes_keep_their_heap_the_trainer_does_not(shardset, tmp_path, monkeypatch):
-    from userwise.pipelines.loader import loader as loader_mod
+    from userwise.pipelines.loader import workers as loader_mod
 
     def mark():
         (tmp_path / f"keep-{os.getpid()}").touch()

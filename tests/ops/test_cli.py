@@ -1,35 +1,221 @@
+"""The command line as one vocabulary: every flag has help (and its default), one name per
+concept with the older names as aliases, ``--json`` and ``--quiet`` on every command, the
+exit codes, ``--version``, ``publish`` as a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import subprocess
 import sys
 
-from userwise.pipelines import cli
+import pytest
+
+from userwise.pipelines import cli, console
+from userwise.pipelines.errors import one_line
+
+PY = sys.executable
+
+
+def run(*args, env=None):
+    return subprocess.run([PY, "-m", "userwise.pipelines.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    p = cli.parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "userwise.pipelines.cli", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = run("--help").stdout
     for name in cli.COMMANDS:
         assert name in out
+    assert "exit codes: 0 done" in out and "3 a Spark job failed" in out
 
 
 def test_help_does_not_import_spark():
     code = "import sys; from userwise.pipelines import cli; cli.parser(); print('pyspark' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
-def test_bad_arguments_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "userwise.pipelines.cli", "build", "--config", "x",
-                        "--input", "y", "--output", "z", "--as-of", "2026-13-01",
-                        "--pretrain-days", "2", "--window-days", "1"], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "not a date" in r.stderr
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_flag_has_help_and_shows_its_default(name):
+    sp = subparsers()[name]
+    text = sp.format_help()
+    for a in sp._actions:
+        if not a.option_strings or a.help is argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+            continue
+        assert a.help and a.help.strip(), f"userwise {name} {a.option_strings[0]} has no help"
+        shown = sp._get_formatter()._get_help_string(a) % {"default": a.default}
+        if a.required:
+            assert shown.endswith("(required)")
+        elif a.default not in (None, False, []):
+            assert f"(default: {a.default})" in shown, (name, a.option_strings, shown)
+    assert "--json" in text and "--quiet" in text
+
+
+# (command, the older flag, the one name it is now, a value)
+ALIASES = [
+    ("build", "--output", "--build-dir", "D"), ("requests", "--output", "--build-dir", "D"),
+    ("history", "--output", "--build-dir", "D"), ("window", "--output", "--build-dir", "D"),
+    ("pretrain", "--output", "--build-dir", "D"), ("backfill", "--output", "--build-dir", "D"),
+    ("forget", "--output", "--build-dir", "D"), ("publish", "--output", "--build-dir", "D"),
+    ("expand", "--samples", "--build-dir", "D"), ("preshard", "--samples", "--build-dir", "D"),
+    ("preshard", "--output", "--shards", "S"), ("stage", "--dest", "--staged", "/nvme"),
+    ("diagnose", "--shards", "--staged", "/nvme"), ("pretrain", "--date", "--as-of", "2026-02-01"),
+    ("build", "--pretrain-days", "--incremental-days", "7"), ("pretrain", "--pretrain-days", "--incremental-days", "7"),
+    ("backfill", "--pretrain-days", "--incremental-days", "7"), ("expand", "--output", "--expanded", "P"),
+]
+REQUIRED = {
+    "build": ["--config", "c", "--input", "i", "--as-of", "2026-01-01", "--incremental-days", "2"],
+    "requests": ["--config", "c", "--input", "i", "--date", "2026-01-01"],
+    "history": ["--config", "c", "--date", "2026-01-01"], "window": ["--config", "c", "--date", "2026-01-01"],
+    "pretrain": ["--config", "c", "--as-of", "2026-01-01", "--incremental-days", "2"],
+    "backfill": ["--from", "2026-01-01", "--to", "2026-01-02", "--config", "c", "--input", "i"],
+    "forget": ["--users", "u"], "publish": [], "expand": ["--expanded", "P"],
+    "preshard": ["--build-dir", "D", "--shards", "S", "--nodes", "1", "--ranks-per-node", "1"],
+    "stage": ["--shards", "S", "--node", "0", "--staged", "/nvme"], "diagnose": ["--staged", "/nvme"],
+}
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("command,old,new,value", ALIASES)
+def test_the_older_names_still_work_as_aliases(command, old, new, value):
+    base = REQUIRED[command]
+    if command not in ("stage", "diagnose") and "--build-dir" not in base:
+        base = base + ["--build-dir", "X"]
+    new_args = cli.parser().parse_args([command, *_without(base, new), new, value])
+    old_args = cli.parser().parse_args([command, *_without(base, new), old, value])
+    dest = new.lstrip("-").replace("-", "_")
+    want = int(value) if value.isdigit() else value
+    assert getattr(new_args, dest) == getattr(old_args, dest) == want
+
+
+def test_one_name_per_concept():
+    """The canonical flags are the same in every command that takes the concept."""
+    for name, sp in subparsers().items():
+        flags = {o for a in sp._actions for o in a.option_strings}
+        for a in sp._actions:
+            if a.dest == "build_dir":
+                assert a.option_strings[0] == "--build-dir", name
+            if a.dest == "staged":
+                assert a.option_strings[0] == "--staged", name
+            if a.dest == "incremental_days":
+                assert a.option_strings[0] == "--incremental-days", name
+        if name in ("preshard", "stage", "publish", "backfill", "forget"):
+            assert "--shards" in flags, name
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"userwise {cli.version()}"
+    assert cli.version().count(".") >= 2
+
+
+def test_usage_errors_exit_2_in_one_line():
+    r = run("build", "--config", "x", "--input", "y", "--build-dir", "z", "--as-of", "2026-13-01",
+            "--incremental-days", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: argument --as-of: '2026-13-01' is not a date YYYY-MM-DD (see `userwise build --help`)"]
+    r = run("stage", "--no-such-flag")
+    assert r.returncode == 2 and r.stderr.startswith("error: ")
 
 
 def test_bad_config_one_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("columns: {user: u}\n")
-    r = subprocess.run([sys.executable, "-m", "userwise.pipelines.cli", "validate", "--config", str(p),
-                        "--input", str(tmp_path)], capture_output=True, text=True)
+    r = run("validate", "--config", p, "--input", tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: config error at columns.request_time")
     assert "Traceback" not in r.stderr
+
+
+def test_exit_codes_tell_a_user_error_from_a_failed_spark_job_and_a_bug():
+    from userwise.pipelines.errors import UserwiseError
+
+    class AnalysisException(Exception):
+        pass
+
+    AnalysisException.__module__ = "pyspark.errors.exceptions.captured"
+    assert one_line(UserwiseError("fix this"))[0] == console.EXIT_USER == 2
+    code, line = one_line(AnalysisException("[PATH_NOT_FOUND] gone"), "/tmp/spark.log")
+    assert code == console.EXIT_SPARK == 3 and line.startswith("Spark failed: [PATH_NOT_FOUND] gone")
+    assert "/tmp/spark.log" in line
+    assert one_line(ZeroDivisionError("x"))[0] == console.EXIT_INTERNAL == 1
+    assert one_line(OSError(28, "No space left", "/nvme/x"))[0] == 2
+
+
+@pytest.fixture(scope="module")
+def synth_log(tmp_path_factory):
+    d = tmp_path_factory.mktemp("log")
+    r = run("synth", "--output", d, "--days", "2", "--users", "12", "--kinds", "lean", "--json")
+    assert r.returncode == 0, r.stderr
+    return d, r
+
+
+def test_json_is_one_object_and_text_is_the_default(synth_log, tmp_path):
+    d, r = synth_log
+    rep = json.loads(r.stdout)
+    assert len(r.stdout.strip().splitlines()) == 1 and rep["rows"]["lean"] > 0 and rep["output"] == str(d)
+    text = run("synth", "--output", tmp_path / "t", "--days", "1", "--users", "5", "--kinds", "lean")
+    assert text.returncode == 0 and text.stdout.startswith("synth: wrote ")
+    v = run("validate", "--config", d / "config.yaml", "--input", d / "lean", "--json")
+    got = json.loads(v.stdout)
+    assert v.returncode == 0 and got["ok"] is True and got["kind"] == "lean log" and isinstance(got["warnings"], list)
+    assert run("validate", "--config", d / "config.yaml", "--input", d / "lean").stdout.startswith("config ")
+
+
+def _finished_build_folder(d):
+    """A build folder whose complete state names a samples table (its log alone: publish reads
+    no rows)."""
+    from userwise.pipelines.records import state
+
+    log = d / "samples" / "_delta_log"
+    log.mkdir(parents=True)
+    (log / f"{0:020d}.json").write_text("{}\n")
+    state.finish(str(d), "build")
+
+
+def test_publish_is_a_subcommand(tmp_path):
+    from userwise.pipelines.records import published
+
+    d = tmp_path / "D"
+    _finished_build_folder(d)
+    r = run("publish", "--build-dir", d, "--date", "2026-01-04", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["kind"] == "incremental" and rec["window_end"] == "2026-01-05" and rec["tables"] == {"samples": 0}
+    assert published.read(str(d), "incremental", "2026-01-04") == rec
+    r = run("publish", "--output", d, "--kind", "pretrain", "--as-of", "2026-02-01")
+    assert r.returncode == 0 and r.stdout.startswith("published pretrain 2026-02-01")
+    r = run("publish", "--build-dir", tmp_path / "nothing", "--date", "2026-01-04")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "userwise build" in r.stderr
+
+
+def test_quiet_leaves_the_report_and_drops_the_progress(tmp_path):
+    from userwise.pipelines.tools import shardgen
+
+    shards = str(tmp_path / "S")
+    shardgen.write_shard_set(shards, nodes=1, ranks_per_node=1)
+    loud = run("stage", "--shards", shards, "--node", "0", "--staged", tmp_path / "a")
+    quiet = run("stage", "--shards", shards, "--node", "0", "--staged", tmp_path / "b", "--quiet")
+    assert loud.returncode == quiet.returncode == 0, loud.stderr + quiet.stderr
+    assert "stage node=0" in loud.stderr and quiet.stderr == ""
+    assert loud.stdout.startswith(f"staged node 0 into {tmp_path / 'a'}: ")
+    assert quiet.stdout.startswith(f"staged node 0 into {tmp_path / 'b'}: ")

@@ -5,7 +5,7 @@ imports pyspark.
 Layers, lowest first (a module may import its own layer's package and the layers below):
 
 0. ``schemas``: every table's and file's schema
-1. ``pipelines.errors``
+1. ``pipelines.errors`` and ``pipelines.console`` (a command's report and exit codes)
 2. ``pipelines.runtime``: storage, progress, the Spark session, jars, Delta I/O, shipping
 3. ``pipelines.config``: the column roles
 4. ``pipelines.records``: the build folder's records (``_userwise/``)
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [
     ["schemas"],
-    ["pipelines.errors"],
+    ["pipelines.errors", "pipelines.console"],
     ["pipelines.runtime"],
     ["pipelines.config"],
     ["pipelines.records"],

@@ -122,7 +122,7 @@ def test_stage_when_the_disk_fills_during_the_copy_then_a_rerun_resumes(shard_se
         sys.exit(main(sys.argv[1:]))
     """)
     one_error(cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest, code=code), "disk is full")
-    r = cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest)
+    r = cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["files"] > 0
 

@@ -125,7 +125,7 @@ def world(spark, tmp_path_factory):
 def forgotten(world):
     """The first forget (no vacuum): its report and the state right after it."""
     before_files = files_holding(world["d"], world["ucol"], world["users"])
-    out = ok(["forget", "--output", world["d"], "--users", world["file"], "--shards", world["s"]])
+    out = ok(["forget", "--output", world["d"], "--users", world["file"], "--shards", world["s"], "--json"])
     return {"report": json.loads(out), "after": table_rows(world["d"]),
             "sets": {r: shard_rows(r) for r in set_roots(world["s"])}, "files_before": before_files}
 
@@ -186,7 +186,7 @@ def test_forget_is_idempotent_and_vacuum_deletes_the_old_files(world, forgotten)
     d, ucol, users = world["d"], world["ucol"], world["users"]
     # Without --vacuum, older table versions (time travel) still hold the users' files.
     assert forgotten["files_before"] and files_holding(d, ucol, users)
-    out = ok(["forget", "--output", d, "--users", world["file"], "--shards", world["s"], "--vacuum"])
+    out = ok(["forget", "--output", d, "--users", world["file"], "--shards", world["s"], "--vacuum", "--json"])
     rep = json.loads(out)
     assert rep["tables"] == {t: 0 for t in TABLES} and rep["shards"] == []
     assert sorted(rep["vacuumed"]) == sorted(TABLES)

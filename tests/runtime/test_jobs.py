@@ -13,7 +13,7 @@ from tests.support.uwchain import ROOT
 from userwise.pipelines import cli
 from userwise.pipelines.runtime import ship
 
-JOBS = ("requests", "history", "window", "pretrain", "preshard", "build", "expand", "backfill")
+JOBS = ("requests", "history", "window", "pretrain", "preshard", "publish", "build", "expand", "backfill")
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -25,10 +25,6 @@ def test_job_delegates_to_the_cli_subcommand(name):
     # no argument parsing and no Spark code of its own
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert "argparse" not in src and "SparkSession" not in names
-
-
-def test_publish_job_delegates():
-    assert "from userwise.pipelines.shards.publish import main" in (ROOT / "jobs" / "publish.py").read_text()
 
 
 def test_backfill_handler_is_wired():

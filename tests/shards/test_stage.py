@@ -9,6 +9,7 @@ import time
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 from userwise import schemas
 from userwise.pipelines.errors import ShardError
@@ -55,7 +56,8 @@ def test_stage_copies_and_verifies(shards, tmp_path):
 
 def test_progress_on_stderr(shards, tmp_path):
     r = subprocess.run([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", shards, "--node", "0",
-                        "--dest", str(tmp_path / "d"), "--workers", "2"], capture_output=True, text=True, timeout=120)
+                        "--dest", str(tmp_path / "d"), "--workers", "2", "--json"], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     assert "stage node=0: files" in r.stderr and "MB/s" in r.stderr
     assert json.loads(r.stdout)["copied"] == len(node_files(shards, 0))
@@ -196,3 +198,92 @@ def test_stage_from_fsspec_filesystem(shards, tmp_path):
     assert rep["copied"] == len(node_files(shards, 1))
     t = pq.read_table(str(tmp_path / "d" / "node=1"))
     assert t.num_rows == sum(s["rows"] for s in mf.node_shards(mf.load(shards), 1))
+
+
+class _Dropping(LocalFileSystem):
+    """A store whose connections drop: every file's first ``drops`` reads raise
+    ConnectionResetError after some bytes (as a reset TCP stream does), later ones succeed."""
+
+    def __init__(self, drops: int, **kw):
+        super().__init__(**kw)
+        self.drops, self.failed = drops, {}
+
+    def _open(self, path, mode="rb", **kw):
+        f = super()._open(path, mode, **kw)
+        if "r" not in mode or not path.endswith((".parquet", ".gds")):
+            return f
+        fs, real_read = self, f.read
+
+        def read(n=-1):
+            got = real_read(min(n, 4096) if n and n > 0 else 4096)
+            if fs.failed.get(path, 0) < fs.drops and f.tell() > 1024:
+                fs.failed[path] = fs.failed.get(path, 0) + 1
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return got
+
+        f.read = read
+        return f
+
+
+@pytest.mark.parametrize("range_mb", [64.0, 0.0625])  # whole files, and files cut into ranges
+def test_a_store_that_drops_connections_is_retried_then_the_copy_completes(shards, tmp_path, range_mb):
+    fs = _Dropping(drops=2)
+    dest = str(tmp_path / "nvme")
+    err = tmp_path / "err.txt"
+    with open(err, "w") as out:
+        rep = stage.stage(shards, 0, dest, fs=fs, workers=2, out=out, range_mb=range_mb, backoff=0.01)
+    files = node_files(shards, 0)
+    assert rep["files"] == len(files) and rep["retries"] >= 2 * sum(1 for p, _, _ in files if p.endswith(".parquet"))
+    assert mf.verify(dest, node=0)["files"] == len(files)  # sizes and sha256 against the manifest
+    lines = err.read_text().splitlines()
+    assert any("ConnectionResetError" in x and "retry 2 in 0.0 s" in x for x in lines)
+
+
+def test_a_store_that_keeps_dropping_fails_in_one_line_after_the_retries(shards, tmp_path):
+    fs = _Dropping(drops=100)
+    with pytest.raises(stage.StoreGone, match=r"stopped answering .* run the same command again") as e:
+        stage.stage(shards, 0, str(tmp_path / "nvme"), fs=fs, workers=1, out=open(os.devnull, "w"),
+                    retries=2, backoff=0.01)
+    assert "\n" not in str(e.value) and "ConnectionResetError" in str(e.value)
+    assert max(fs.failed.values()) == 3  # the first try and two retries
+
+
+class _Tty:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_is_one_updating_line_on_a_terminal_and_sparse_lines_in_a_log(tty, monkeypatch):
+    clock = iter(range(0, 10_000))
+    monkeypatch.setattr(stage.time, "monotonic", lambda: float(next(clock)))
+    out = _Tty(tty)
+    p = stage._Progress(0, 3, 3_000_000, out=out, every=1.0, every_log=10.0)
+    for _ in range(30):  # a second apart
+        p.add(100_000)
+    p.finish()
+    if tty:
+        assert out.text.count("\n") == 1 and out.text.endswith("\n") and out.text.count("\r") >= 29
+        assert "\x1b[K" in out.text
+    else:
+        assert "\r" not in out.text and 2 <= out.text.count("\n") <= 4  # every ten seconds, then the end
+    last = out.text.split("\r")[-1].splitlines()[-1].replace("\x1b[K", "")
+    assert last.startswith("stage node=0: files 0/3, 3.0/3.0 MB, ") and last.endswith(" MB/s")
+
+
+def test_quiet_stage_prints_no_progress(shards, tmp_path, monkeypatch):
+    from userwise.pipelines.runtime import progress
+
+    monkeypatch.setattr(progress, "QUIET", True)
+    out = _Tty(True)
+    stage.stage(shards, 0, str(tmp_path / "nvme"), out=out)
+    assert out.text == ""
