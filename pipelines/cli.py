@@ -73,7 +73,7 @@ BUILD_DIR_HELP = "the build folder: its Delta tables (requests, events, history,
 
 def _config(p, required=True):
     p.add_argument("--config", required=required, metavar="C.yaml",
-                   help="the YAML config mapping the log's columns onto roles (README: 'Your own log')")
+                   help="the YAML config mapping the log's columns onto roles (docs/config.md)")
 
 
 def _input(p, required=True, actions=True):

@@ -3,7 +3,7 @@
 Every reason the build writes is a constant here, with what it means. The build's
 checks (``pipelines/builder/ingest.py``) mark rows with these constants, ``userwise
 synth`` injects bad rows under these names, the tests' edge-case logs expect them and
-the README lists them; ``tests/schemas/test_reasons.py`` holds all of them to this table.
+docs/commands.md lists them; ``tests/schemas/test_reasons.py`` holds all of them to this table.
 
 The per-row checks run first, then the checks across the rows of one request; a row
 gets the first reason that applies.

@@ -167,7 +167,7 @@ MANIFEST_SET_KEYS = {
 # --------------------------------------------------------------------------
 # Layout-dependent tables
 # --------------------------------------------------------------------------
-# Descriptions of the columns named after the input's; README "The samples table" shows
+# Descriptions of the columns named after the input's; docs/tables.md ("The samples table") shows
 # them with `<col>` and `<type>` in place of an input column's name and type.
 REQ_DOC = "input column `{col}` ({type}), once per request"
 IMP_DOC = "per impression, in display order: input column `{col}` ({type})"

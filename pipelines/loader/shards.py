@@ -73,7 +73,7 @@ class NodeShards:
 
 def source(path: str):
     """What pyarrow opens for a shard: the local path itself, or for a URL (a shard set read
-    straight from cluster storage, the slow path: the README's "Cluster storage") a file of
+    straight from cluster storage, the slow path: docs/storage.md) a file of
     the store's filesystem (``pipelines/runtime/storage.py``)."""
     if "://" not in path or path.startswith("file:"):
         return path

@@ -12,7 +12,7 @@ tables, `build.json`, locks, reports), the expanded rows and the shard set live 
 reads that copy. `--remote hdfs://host:port/base` uses a running HDFS instead (a
 base folder that does not exist yet); its Python side is WebHDFS at
 `USERWISE_WEBHDFS` (`host:port` of the name node's HTTP server; default: the name
-node's host, port 9870) unless libhdfs is installed (README, "Cluster storage").
+node's host, port 9870) unless libhdfs is installed (docs/storage.md).
 """
 
 from __future__ import annotations

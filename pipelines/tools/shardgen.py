@@ -2,7 +2,7 @@
 
 One generator, :func:`make_samples`, writes rows of the shard schema for the
 synthetic log's layout (:func:`layout`, the lean config of ``userwise synth``).
-Every sample obeys the pointer semantics (README "The pointer"): the stored
+Every sample obeys the pointer semantics (docs/pointer.md): the stored
 sequence is sorted by time; request r sees ``seq[begin:end]`` with ``end`` =
 the events strictly before its time and ``begin = max(0, end - L)``; the
 stored sequence holds exactly ``[min begin, max end)``. ``sample_id`` is

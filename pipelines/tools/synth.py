@@ -23,7 +23,7 @@ day -> block; each (block, day) is generated with vectorised numpy, and the fat
 snapshot is computed from a per-block carry of the newest L actions, so memory
 is bounded by the chunk size, not by the number of rows.
 
-The fat snapshot follows the pointer rule (README, "The pointer"): a user's stream is the
+The fat snapshot follows the pointer rule (docs/pointer.md): a user's stream is the
 impressions with click>0 or like>0, each an event at ``action_ts``, in the
 order (action_ts, request_ts, request_id, position, item_id, bits); an
 impression's snapshot is the last L events with ``action_ts < request_ts``,
@@ -51,6 +51,7 @@ import yaml
 from userwise import schemas as S
 from userwise.pipelines import console
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.runtime import progress
 from userwise.schemas import reasons as R
 
 MS_PER_HOUR = 3_600_000
@@ -757,7 +758,7 @@ def cli(args) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     s = synth(args.output, start=args.start, days=args.days, users=args.users, items=args.items,
               impressions=args.impressions, max_seq_len=args.max_seq_len, fmt=args.format, kinds=kinds,
-              bad_rows=args.bad_rows, seed=args.seed)
+              bad_rows=args.bad_rows, seed=args.seed, log=open(os.devnull, "w") if progress.QUIET else None)
     total = {k: sum(v.values()) for k, v in s["rows"].items()}
     rep = {"output": args.output, "format": args.format, "rows": total, "users": s["users"],
            "bot_user_id": s["bot_user_id"]}

@@ -1,4 +1,4 @@
-"""Acceptance: build -> expand reproduces the input exactly (README, "Tables and schemas").
+"""Acceptance: build -> expand reproduces the input exactly (docs/tables.md).
 
 Each case builds one edge log (tests/support/edgegen.py) once through the product's CLI and
 checks it against the independent oracle (tests/oracle.py), the ground truth of the

@@ -181,7 +181,7 @@ def test_an_input_whose_schema_changed_since_the_build_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Tables that explain themselves: column descriptions, action bits, the README
+# Tables that explain themselves: column descriptions, action bits, docs/tables.md
 # ---------------------------------------------------------------------------
 def published_tables():
     """Every Delta table a build or a daily job writes, for the lean and the fat layout."""
@@ -292,7 +292,7 @@ def test_action_bits_are_read_without_spark(tmp_path):
         S.action_bits(str(tmp_path))
 
 
-# The README's samples table (section "The samples table") lists every column of the lean and
+# docs/tables.md's samples table (section "The samples table") lists every column of the lean and
 # the fat samples: the columns named after the input's once, with placeholders.
 README_BEGIN, README_END = "<!-- samples-columns -->", "<!-- /samples-columns -->"
 PLACE = {"col": "<col>", "type": "its type"}
@@ -341,14 +341,14 @@ def samples_readme_table() -> str:
     return "\n".join(lines)
 
 
-def test_readme_documents_every_samples_column_as_the_schema_does():
-    """The README's samples table is the schema's docs: a column added, renamed or described
-    differently in schemas/tables.py fails here until the README says the same (the
+def test_the_docs_document_every_samples_column_as_the_schema_does():
+    """docs/tables.md's samples table is the schema's docs: a column added, renamed or described
+    differently in schemas/tables.py fails here until docs/tables.md says the same (the
     expected table is in the failure message)."""
     import pathlib
 
-    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    assert README_BEGIN in text and README_END in text, "README lacks the samples table markers"
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "tables.md").read_text()
+    assert README_BEGIN in text and README_END in text, "docs/tables.md lacks the samples table markers"
     got = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
     want = samples_readme_table()
-    assert got == want, "README's samples table differs from the schema; expected:\n" + want
+    assert got == want, "docs/tables.md's samples table differs from the schema; expected:\n" + want

@@ -1,6 +1,6 @@
 """An independent oracle for the lossless round trip (Polars and plain Python, no Spark).
 
-It restates the pointer rule (README, "The pointer") as directly as possible, on tiny data:
+It restates the pointer rule (docs/pointer.md) as directly as possible, on tiny data:
 
 - the accepted impressions = the input minus the rejected rows (ground truth given by the
   caller, by ``row_uid``), exact duplicate rows reduced to one copy;
