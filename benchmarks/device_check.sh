@@ -70,4 +70,21 @@ step loader_bench_cuda_copy 130 python3 benchmarks/loader_bench.py --device cuda
     --repeats 5 --workers 1 2 --pointwise-cap-s 3 --zero-copy off --json "$OUTDIR/loader_bench_cuda_copy.json"
 step loader_bench_cpu 130 python3 benchmarks/loader_bench.py --device cpu --profiles ${BENCH_PROFILES:-long short} --repeats 5 \
     --workers 0 1 2 --pointwise-cap-s 3 --json "$OUTDIR/loader_bench_cpu.json"
+
+# -- the trainer (#39), about 2 minutes --------------------------------------------------
+# 4. tests/train on CUDA: device spans equal the host's, compiled FlexAttention forward and
+#    backward against the pure-torch block attention, the model and stochastic length on the
+#    device against the host (the CUDA tests; they skip elsewhere);
+# 5. benchmarks/train_bench.py on the GPU: user-wise against point-wise training and the least
+#    plan, L = 200 and 1000, the demo, heavy-user and one-request shapes (2 s a figure).
+# TRAIN_STEPS (default "train_tests train_bench_cuda") picks these; TRAIN_STEPS="" skips them,
+# STEPS=none runs them alone.
+TRAIN_STEPS=${TRAIN_STEPS-train_tests train_bench_cuda}
+train_step() {  # train_step NAME LIMIT_S CMD...
+    case " $TRAIN_STEPS " in *" $1 "*) STEPS="$1" step "$@" ;; *) return 0 ;; esac
+}
+train_step train_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -k cuda \
+    tests/train/test_spans_masks.py tests/train/test_model.py
+train_step train_bench_cuda 150 python3 benchmarks/train_bench.py --device cuda --threads 0 --seconds 2 \
+    --json "$OUTDIR/train_bench_cuda.json" --plot "$OUTDIR/train_bench_cuda.png"
 echo "device_check: done" | tee -a "$LOG"
