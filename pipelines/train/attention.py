@@ -60,12 +60,13 @@ def block_attention(q, k, v, iv: Intervals, scale: float | None = None, block: i
     n = (stop - first).clamp(min=0)
     pair_q = torch.repeat_interleave(torch.arange(qb, device=q.device), n)  # (P,) query block of each pair
     pair_k = ranges(first, n)                                                 # (P,) key block of each pair
-    qs = _pad_rows(q, qb * block).view(qb, block, H, D)[pair_q]               # [P, Bq, H, D]
-    ks = _pad_rows(k, kb * block).view(kb, block, H, D)[pair_k]
-    vs = _pad_rows(v, kb * block).view(kb, block, H, Dv)[pair_k]
-    s = torch.einsum("pahd,pbhd->phab", qs, ks) * scale
-    lo = torch.nn.functional.pad(iv.lo, (0, qb * block - nq)).view(qb, block)[pair_q]  # [P, Bq]
-    hi = torch.nn.functional.pad(iv.hi, (0, qb * block - nq)).view(qb, block)[pair_q]
+    # blocks as [blocks, H, rows, D]: the gathers below are contiguous batched matrices
+    qs = _pad_rows(q, qb * block).view(qb, block, H, D).transpose(1, 2)[pair_q]   # [P, H, Bq, D]
+    ks = _pad_rows(k, kb * block).view(kb, block, H, D).transpose(1, 2)[pair_k]   # [P, H, Bk, D]
+    vs = _pad_rows(v, kb * block).view(kb, block, H, Dv).transpose(1, 2)[pair_k]  # [P, H, Bk, Dv]
+    s = torch.matmul(qs, ks.transpose(-1, -2)) * scale                           # [P, H, Bq, Bk]
+    lo = torch.cat([iv.lo, iv.lo.new_zeros(qb * block - nq)]).view(qb, block)[pair_q]  # [P, Bq]
+    hi = torch.cat([iv.hi, iv.hi.new_zeros(qb * block - nq)]).view(qb, block)[pair_q]
     key = pair_k[:, None] * block + torch.arange(block, device=q.device)[None, :]  # [P, Bk]
     vis = (key[:, None, :] >= lo[:, :, None]) & (key[:, None, :] < hi[:, :, None])  # [P, Bq, Bk]
     s = s.masked_fill(~vis[:, None], float("-inf"))
@@ -75,10 +76,9 @@ def block_attention(q, k, v, iv: Intervals, scale: float | None = None, block: i
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = torch.exp(s - mx[pair_q][..., None])
     den = torch.zeros(qb, H, block, dtype=s.dtype, device=s.device).index_add(0, pair_q, p.sum(-1))
-    num = torch.zeros(qb, block, H, Dv, dtype=s.dtype, device=s.device)
-    num = num.index_add(0, pair_q, torch.einsum("phab,pbhd->pahd", p, vs))
-    den = torch.where(den > 0, den, torch.ones_like(den)).permute(0, 2, 1)[..., None]  # [QB, Bq, H, 1]
-    return (num / den).reshape(qb * block, H, Dv)[:nq]
+    num = torch.zeros(qb, H, block, Dv, dtype=s.dtype, device=s.device).index_add(0, pair_q, torch.matmul(p, vs))
+    out = num / torch.where(den > 0, den, torch.ones_like(den))[..., None]  # [QB, H, Bq, Dv]
+    return out.transpose(1, 2).reshape(qb * block, H, Dv)[:nq]
 
 
 _COMPILED = {}

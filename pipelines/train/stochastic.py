@@ -74,7 +74,7 @@ def keep_mask(seq_offsets: torch.Tensor, sample_id: torch.Tensor, *, max_len: in
         return torch.ones(ev_sample.numel(), dtype=torch.bool, device=so.device)
     # keep the keep_len events with the smallest hash keys of each cut sample
     key = ev_sample * (1 << 32) + _hash(seed, epoch, sid[ev_sample], pos)
-    order = torch.argsort(key)
+    order = torch.argsort(key, stable=True)  # ties (equal hashes) in position order, on any device
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=so.device) - so[:-1][ev_sample[order]]
     return ~cut[ev_sample] | (rank < keep_len)

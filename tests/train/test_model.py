@@ -173,3 +173,22 @@ def test_an_empty_batch_gives_an_empty_output_and_a_zero_loss_with_gradients():
     assert out.shape == (0, 2) and float(loss) == 0.0
     assert all(p.grad is not None for p in model.parameters())
     del sp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/device_check.sh)")
+def test_on_cuda_the_model_and_stochastic_length_agree_with_the_host(long_batches):
+    from userwise.pipelines.train import stochastic_length
+
+    b = long_batches[0]
+    host, dev = UserBatch.from_jagged(b), UserBatch.from_jagged(b.to("cuda"))
+    for encoder in ("sample", "request"):
+        model = _model(encoder)
+        with torch.no_grad():
+            u_host, u_dev = model(host), model.cuda()(dev)
+            p_dev = model.forward_pointwise(dev.expand("prefix" if encoder == "sample" else "span"))
+        assert (u_dev.cpu() - u_host).abs().max() <= 1e-9
+        assert (u_dev - p_dev).abs().max() <= 1e-9
+    s_host = stochastic_length(b, max_len=8, alpha=1.5, seed=4)
+    s_dev = stochastic_length(b.to("cuda"), max_len=8, alpha=1.5, seed=4)
+    for name in ("seq.offsets", "req_seq_begin", "req_seq_end", "seq_item", "num_events"):
+        assert torch.equal(s_dev[name].cpu(), s_host[name]), name
