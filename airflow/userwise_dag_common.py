@@ -1,7 +1,14 @@
 """Shared by the userwise DAG files: the config file, run settings, the processed day.
 
-Pure Python, importable without Airflow (the tests import it directly).
-No transform logic: the DAGs only submit ``jobs/*.py``.
+Importable without Airflow (the tests import it directly); the product's own modules are
+imported inside the functions that run in tasks, never when the scheduler parses a DAG
+file. No transform logic: the DAGs only submit ``jobs/*.py``.
+
+Paths may be local or any store's URL (``hdfs://``, ``s3a://``, ``gs://``): every path is
+joined and tested through the product's storage layer (``userwise.pipelines.runtime.storage``,
+the same code the jobs use), never ``os.path``, and the sensors poke the store itself. A
+process that reaches HDFS through WebHDFS needs ``USERWISE_WEBHDFS`` (docs/storage.md); S3
+the ``AWS_*`` variables.
 
 The processed day. Airflow 3's default timetable for a cron schedule
 (``CronTriggerTimetable``) gives a run at 2026-01-02T00:00 a zero-length
@@ -38,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "nodes": 1,
     "ranks_per_node": 1,
     "py_files": "{project_root}/dist/userwise-0.1.0-pyfiles.zip",
+    "jobs": "{project_root}/jobs",
     "jars": "auto",
     "packages": None,
     "spark_conn_id": "spark_default",
@@ -49,7 +57,31 @@ DEFAULTS: dict[str, Any] = {
 }
 # Keys a run may override (DAG params / the Variable); the rest are fixed at parse time.
 RUN_KEYS = ("config", "input", "input_partition", "actions", "output", "shards", "pretrain_days",
-            "window_days", "nodes", "ranks_per_node", "py_files", "jars", "packages", "spark_conf")
+            "window_days", "nodes", "ranks_per_node", "py_files", "jobs", "jars", "packages", "spark_conf")
+# Other names of keys (the command line's vocabulary): incremental_days is M, as --incremental-days.
+ALIASES = {"incremental_days": "pretrain_days", "build_dir": "output"}
+# Run conf keys that are not settings: the processed day a manual run asks for.
+RUN_ONLY = ("date",)
+
+
+class SettingsError(ValueError):
+    """A Variable or run conf key the DAGs do not know or cannot change at run time."""
+
+
+def _check_keys(layer: dict, where: str, allowed: tuple[str, ...] = ()) -> dict:
+    """The layer with aliases resolved; a key that is not a run setting is refused by name."""
+    out = {}
+    for k, v in layer.items():
+        k = ALIASES.get(k, k)
+        if k in RUN_KEYS or k in allowed:
+            out[k] = v
+        elif k in DEFAULTS:
+            raise SettingsError(f"{where}: {k!r} is fixed when the scheduler parses the DAG files; set it in "
+                                f"the settings file ({CONFIG_ENV} or airflow/userwise.yaml), not per run")
+        else:
+            raise SettingsError(f"{where}: unknown key {k!r}; the keys a run may set are "
+                                f"{sorted(RUN_KEYS + tuple(ALIASES) + allowed)}")
+    return out
 
 
 def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -61,9 +93,10 @@ def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
     if path.exists():
         with open(path) as fh:
             got = yaml.safe_load(fh) or {}
+        got = {ALIASES.get(k, k): v for k, v in got.items()}
         unknown = sorted(set(got) - set(DEFAULTS))
         if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
+            raise SettingsError(f"{path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
         out.update(got)
     return out
 
@@ -100,14 +133,22 @@ def _fmt(v, ctx: dict) -> Any:
 
 
 def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: dt.date) -> dict[str, Any]:
-    """The settings of one run: run conf > Variable > file, paths formatted, jars resolved."""
+    """The settings of one run: run conf > Variable > file, paths formatted, jars resolved.
+
+    Every key of the Variable and of the run conf is honoured or refused by name
+    (:class:`SettingsError`): a key the DAGs do not know, or one fixed at parse time."""
+    from userwise.pipelines.runtime import storage
+    from userwise.pipelines.shards import publish
+
+    layers = (_check_keys(variable or {}, f"the Airflow Variable {VARIABLE!r}"),
+              _check_keys(run_conf or {}, "the run conf", RUN_ONLY))
     out = {k: file_cfg[k] for k in RUN_KEYS}
-    for layer in (variable or {}, run_conf or {}):
+    for layer in layers:
         for k, v in layer.items():
             if k in RUN_KEYS and v is not None and v != "":
                 out[k] = v
     ctx = {"project_root": str(PROJECT_ROOT), "date": day.isoformat()}
-    for k in ("config", "input", "actions", "output", "shards", "py_files"):
+    for k in ("config", "input", "actions", "output", "shards", "py_files", "jobs"):
         out[k] = _fmt(out[k], ctx)
     out["input_partition"] = _fmt(out["input_partition"], {**ctx, "input": out["input"]})
     for k in ("pretrain_days", "window_days", "nodes", "ranks_per_node"):
@@ -123,10 +164,26 @@ def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: d
     out["window_end"] = (day + dt.timedelta(days=1)).isoformat()
     out["as_of"] = (day + dt.timedelta(days=1)).isoformat()
     out["project_root"] = str(PROJECT_ROOT)
-    out["incremental_staging"] = os.path.join(os.path.abspath(out["shards"]), "_staging", "incremental",
-                                              out["window_end"])
-    out["pretrain_staging"] = os.path.join(os.path.abspath(out["shards"]), "_staging", "pretrain", out["as_of"])
+    for k in ("config", "input", "input_partition", "actions", "output", "shards", "jobs"):
+        if out[k]:
+            out[k] = storage.absolute(out[k])  # a local path made absolute; a URL as it is
+    out["incremental_staging"] = publish.staging_root(out["shards"], publish.set_key("incremental", date=day))
+    out["pretrain_staging"] = publish.staging_root(out["shards"], publish.set_key("pretrain", as_of=out["as_of"]))
     return out
+
+
+def input_ready(st: dict) -> bool:
+    """The daily sensor's poke: the day's input partition exists on its store."""
+    from userwise.pipelines.runtime import storage
+
+    return storage.exists(st["input_partition"])
+
+
+def day_published(st: dict) -> bool:
+    """The pretrain sensor's poke: the daily DAG has published the last day to include."""
+    from userwise.pipelines.records import published
+
+    return published.read(st["output"], "incremental", st["date"]) is not None
 
 
 def _auto_jars() -> str | None:
@@ -154,7 +211,9 @@ def run_settings(context: dict, file_cfg: dict) -> dict[str, Any]:
 
 
 def job(name: str) -> str:
-    return str(PROJECT_ROOT / "jobs" / f"{name}.py")
+    """The job file spark-submit runs: ``<jobs>/<name>.py``, from the run's settings (a local
+    folder, or a store's URL that a cluster-mode submission reads)."""
+    return "{{ ti.xcom_pull(task_ids='settings')['jobs'] }}/" + f"{name}.py"
 
 
 def s(key: str) -> str:

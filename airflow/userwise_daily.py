@@ -51,19 +51,19 @@ def userwise_daily():
     @task.sensor(poke_interval=float(CFG["sensor_poke_seconds"]),
                  timeout=float(CFG["sensor_timeout_hours"]) * 3600, mode="reschedule", retries=0)
     def wait_for_input(st: dict) -> bool:
-        return Path(st["input_partition"]).exists()
+        return common.input_ready(st)  # on its store: a local folder, hdfs://, s3a://, ...
 
-    day = ["--config", s("config"), "--output", s("output"), "--date", s("date")]
+    day = ["--config", s("config"), "--build-dir", s("output"), "--date", s("date")]
     actions = ["--actions", s("actions")] if CFG.get("actions") else []
     requests = common.spark_task("requests", "requests", [*day, "--input", s("input"), *actions], CFG)
     history = common.spark_task("history", "history", day, CFG, depends_on_past=True)
     window = common.spark_task("window", "window", [*day, "--window-days", s("window_days")], CFG)
     preshard = common.spark_task("preshard", "preshard", [
-        "--samples", s("output"), "--output", s("incremental_staging"), "--nodes", s("nodes"),
+        "--build-dir", s("output"), "--shards", s("incremental_staging"), "--nodes", s("nodes"),
         "--ranks-per-node", s("ranks_per_node"), "--kind", "incremental", "--window", s("window_end"),
         "--window-days", s("window_days")], CFG)
     publish = common.spark_task("publish", "publish", [
-        "--output", s("output"), "--shards", s("shards"), "--date", s("date"),
+        "--build-dir", s("output"), "--shards", s("shards"), "--date", s("date"),
         "--window-days", s("window_days")], CFG)
 
     st = settings()

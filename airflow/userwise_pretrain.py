@@ -43,17 +43,16 @@ def userwise_pretrain():
     @task.sensor(poke_interval=float(CFG["sensor_poke_seconds"]),
                  timeout=float(CFG["sensor_timeout_hours"]) * 3600, mode="reschedule", retries=0)
     def wait_for_daily(st: dict) -> bool:
-        rec = Path(st["output"]) / "_userwise" / "published" / "incremental" / f"{st['date']}.json"
-        return rec.exists()
+        return common.day_published(st)  # the day's record in the build folder, on its store
 
     pretrain = common.spark_task("pretrain", "pretrain", [
-        "--config", s("config"), "--output", s("output"), "--date", s("as_of"),
-        "--pretrain-days", s("pretrain_days")], CFG)
+        "--config", s("config"), "--build-dir", s("output"), "--as-of", s("as_of"),
+        "--incremental-days", s("pretrain_days")], CFG)
     preshard = common.spark_task("preshard", "preshard", [
-        "--samples", s("output"), "--output", s("pretrain_staging"), "--nodes", s("nodes"),
+        "--build-dir", s("output"), "--shards", s("pretrain_staging"), "--nodes", s("nodes"),
         "--ranks-per-node", s("ranks_per_node"), "--kind", "pretrain"], CFG)
     publish = common.spark_task("publish", "publish", [
-        "--output", s("output"), "--shards", s("shards"), "--kind", "pretrain", "--as-of", s("as_of")], CFG)
+        "--build-dir", s("output"), "--shards", s("shards"), "--kind", "pretrain", "--as-of", s("as_of")], CFG)
 
     st = settings()
     wait_for_daily(st) >> pretrain >> preshard >> publish

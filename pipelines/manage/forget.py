@@ -55,7 +55,7 @@ from userwise.pipelines import console
 from userwise.pipelines.errors import InputError, UserwiseError
 from userwise.pipelines.records import build_record, published, state
 from userwise.pipelines.runtime import delta_io, storage
-from userwise.pipelines.shards import balance, preshard
+from userwise.pipelines.shards import balance, writer
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.shards.publish import MARKER
 
@@ -236,7 +236,7 @@ def rewrite_set(root: str, users: pa.Array) -> dict | None:
     for e in hit:
         with _open(storage.join(root, e["path"])) as f:
             pf = pq.ParquetFile(f)
-            w = preshard.rewriter(new, m, pf.schema_arrow, e["path"], int(e["node"]), int(e["rank"]))
+            w = writer.rewriter(new, m, pf.schema_arrow, e["path"], int(e["node"]), int(e["rank"]))
             for i in range(pf.num_row_groups):
                 t = pf.read_row_group(i)
                 kept = t.filter(pc.invert(pc.is_in(t.column("user"),

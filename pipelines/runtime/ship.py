@@ -1,5 +1,10 @@
 """Ship the project to Spark executors: the wheel, and a --py-files zip made from it.
 
+``userwise ship`` builds both from a source checkout (the wheel for ``pip install``, the zip
+for ``spark-submit --py-files``); :func:`installed_zip` makes the zip from the code the
+running interpreter imports, which is what a command ships itself when it is given a
+cluster's master (``runtime.spark.get_spark``).
+
 Why a zip beside the wheel: ``userwise`` is a namespace package (PEP 420, no
 ``__init__.py``), and Python's zipimport finds a namespace package only when
 the archive holds an entry for its directory. ``pip wheel`` writes no
@@ -14,6 +19,7 @@ holds the same files as the wheel plus those directory entries (and no
 from __future__ import annotations
 
 import glob
+import os
 import shutil
 import subprocess
 import sys
@@ -42,16 +48,14 @@ def build_wheel(dist: str | Path = "dist", project: str | Path = PROJECT) -> Pat
     return Path(wheels[0])
 
 
-def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
-    """Copy the wheel's modules into a zip with directory entries (see the module doc)."""
-    wheel = Path(wheel)
-    out = Path(out) if out else wheel.with_name(wheel.name.split("-py")[0] + "-pyfiles.zip")
-    tmp = out.with_name(out.name + ".tmp")
-    with zipfile.ZipFile(wheel) as zi, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zo:
+def _write_zip(files, out: Path) -> Path:
+    """A zip of ``files`` ((archive name, bytes), sorted) with an entry for every directory
+    (see the module doc), fixed timestamps: the same files give the same bytes."""
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zo:
         dirs: set[str] = set()
-        for name in sorted(zi.namelist()):
-            if ".dist-info/" in name:
-                continue
+        for name, data in files:
             parts = name.split("/")[:-1]
             for i in range(1, len(parts) + 1):
                 d = "/".join(parts[:i]) + "/"
@@ -60,9 +64,54 @@ def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
                     zo.writestr(zipfile.ZipInfo(d, date_time=(1980, 1, 1, 0, 0, 0)), b"")
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = zipfile.ZIP_DEFLATED
-            zo.writestr(info, zi.read(name))
+            zo.writestr(info, data)
     tmp.replace(out)
     return out
+
+
+def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
+    """Copy the wheel's modules into a zip with directory entries (see the module doc)."""
+    wheel = Path(wheel)
+    out = Path(out) if out else wheel.with_name(wheel.name.split("-py")[0] + "-pyfiles.zip")
+    with zipfile.ZipFile(wheel) as zi:
+        files = [(n, zi.read(n)) for n in sorted(zi.namelist()) if ".dist-info/" not in n and not n.endswith("/")]
+    return _write_zip(files, out)
+
+
+SHIPPED = (".py", ".xml")  # modules and package data (the jar poms)
+
+
+def installed_files() -> list[tuple[str, bytes]]:
+    """The importable ``userwise`` packages as (archive name, bytes): what this interpreter
+    imports, whether installed from a wheel or editable from a checkout."""
+    import userwise.pipelines
+    import userwise.schemas
+
+    out = []
+    for pkg, name in ((userwise.pipelines, "userwise/pipelines"), (userwise.schemas, "userwise/schemas")):
+        root = Path(pkg.__path__[0])
+        for f in sorted(root.rglob("*")):
+            if f.suffix in SHIPPED and f.is_file() and "__pycache__" not in f.parts:
+                out.append((f"{name}/{f.relative_to(root).as_posix()}", f.read_bytes()))
+    return sorted(out)
+
+
+def installed_zip(dest: str | Path | None = None) -> Path:
+    """The ``--py-files`` zip of the code this process runs (no pip, no source tree needed),
+    under ``dest`` (default a cache folder), named by its content: the zip a command ships to
+    a cluster's executors itself (``userwise <job> --master spark://...|yarn``)."""
+    import hashlib
+    import tempfile
+
+    from userwise.pipelines import __version__
+
+    files = installed_files()
+    h = hashlib.sha256()
+    for n, data in files:
+        h.update(n.encode() + b"\0" + data)
+    dest = Path(dest) if dest else Path(tempfile.gettempdir()) / "userwise-ship"
+    out = dest / f"userwise-{__version__}-{h.hexdigest()[:12]}-pyfiles.zip"
+    return out if out.is_file() else _write_zip(files, out)
 
 
 def build(dist: str | Path = "dist", project: str | Path = PROJECT) -> Path:

@@ -128,10 +128,15 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
         b = b.master(master)
     elif not submitted:
         b = b.master(os.environ.get("USERWISE_SPARK_MASTER", "local[2]"))
-    local = not submitted and (master is None or master.startswith("local"))
-    if not submitted:
+    effective = master or ("" if submitted else os.environ.get("USERWISE_SPARK_MASTER", "local[2]"))
+    local = not submitted and effective.startswith("local")
+    cluster = not submitted and not local
+    if cluster:
+        refuse_unshippable(effective)
+    if local:
         # Python workers must run the interpreter that has our dependencies, not `python3`.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if not submitted:
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     global LOG_PATH
     java_opts = None
@@ -157,9 +162,41 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
         _launch_jvm_logging_to(LOG_PATH, b)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("USERWISE_SPARK_LOG", "WARN"))
+    if cluster:
+        # A cluster's executors need not have userwise installed: the code this process runs
+        # goes with the job (preshard's writer runs on them), as spark-submit --py-files would send it.
+        from userwise.pipelines.runtime import ship
+
+        spark.sparkContext.addPyFile(str(ship.installed_zip()))
     if LOG_PATH:
         progress.say(f"Spark's log: {LOG_PATH}")  # errors name it too, with --quiet as well
     return spark
+
+
+# Masters a command reaches from this process in client mode, shipping the code itself.
+SHIPS_ITSELF = ("spark://", "yarn", "mesos://")
+
+
+def refuse_unshippable(master: str) -> None:
+    """Refuse a master this process cannot drive as a client with the code shipped, naming the
+    spark-submit command to use instead (Kubernetes: the driver runs in a pod, in cluster mode)."""
+    if master.startswith(SHIPS_ITSELF):
+        return
+    from userwise.pipelines.errors import UserwiseError
+
+    argv = [a for a in sys.argv[1:] if a and not a.startswith("--master") and a != master]
+    job = next((a for a in argv if not a.startswith("-")), "JOB")
+    rest = " ".join(argv[argv.index(job) + 1:]) if job in argv else "ARGS"
+    if master.startswith("k8s://"):
+        raise UserwiseError(
+            f"--master {master}: on Kubernetes the driver runs in a pod (cluster mode), which this command "
+            "cannot start; build what ships with `userwise ship`, put dist/*-pyfiles.zip and the jars where "
+            f"the pods read them, and run `spark-submit --master {master} --deploy-mode cluster "
+            "--conf spark.kubernetes.container.image=IMAGE --py-files URL/userwise-pyfiles.zip "
+            f"--jars URL/delta-spark_4.2_2.13-4.4.0.jar,URL/delta-storage-4.4.0.jar jobs/{job}.py {rest}` "
+            "(docs/operations.md)")
+    raise UserwiseError(f"--master {master}: not a Spark master this command drives; use local[K], "
+                        "spark://host:port or yarn, or submit jobs/*.py with spark-submit (docs/operations.md)")
 
 
 @contextlib.contextmanager

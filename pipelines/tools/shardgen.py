@@ -173,7 +173,7 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
     manifest.json, last); return its manifest. ``sets``: (kind, window_start, window_end,
     samples) per set, in training order; ``sample_kw`` go to :func:`make_samples`."""
     from userwise.pipelines.shards import gds as gdsmod
-    from userwise.pipelines.shards import preshard
+    from userwise.pipelines.shards import preshard, writer
 
     schema = schemas.shard_schema(layout()).to_arrow()
     slots = nodes * ranks_per_node
@@ -198,12 +198,12 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
             node, rank = divmod(j, ranks_per_node)
             part = t.slice(starts[j], counts[j])
             shard = si * slots + j
-            rel = preshard.shard_name(shard, node)
+            rel = writer.shard_name(shard, node)
             path = os.path.join(root, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             pq.write_table(part, path, row_group_size=row_group_rows, compression=compression,  # as preshard writes
-                           use_dictionary=preshard.parse_dictionary(dictionary, part.schema),
-                           **preshard.PARQUET_OPTIONS)
+                           use_dictionary=writer.parse_dictionary(dictionary, part.schema),
+                           **writer.PARQUET_OPTIONS)
             imps = int(np.asarray(part["num_impressions"]).sum())
             entry = {
                 "shard": shard, "path": rel, "node": node, "rank": rank, "rows": part.num_rows,
@@ -218,7 +218,7 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
                 entry.update(gds_path=g, gds_bytes=info["bytes"], gds_sha256=info["sha256"])
             stats.append(entry)
     cfg = {"schema": schema, "layout": "gds" if gds else "parquet", "dictionary": dictionary,
-           "compression": preshard.parse_compression(compression, schema), "row_group_rows": row_group_rows}
+           "compression": writer.parse_compression(compression, schema), "row_group_rows": row_group_rows}
     manifest = preshard.assemble(cfg=cfg, sets=plan, stats=stats, nodes=nodes, ranks_per_node=ranks_per_node,
                                  seed=seed, source={"table": os.path.join(root, "samples"), "version": 0})
     mf.write(root, manifest)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.uwchain import FAST_CONF, ROOT, SUBMIT_JVM, env_with_spark_bin, shard_digest, synth, table_digest
+from tests.support.uwchain import FAST_CONF, ROOT, SUBMIT_JVM, env_with_spark_bin, synth
 
 DAG_FOLDER = ROOT / "airflow"
 UTC = dt.timezone.utc
@@ -66,7 +66,7 @@ def test_daily_graph_is_the_documented_chain():
     for tid in ("requests", "history", "window", "preshard", "publish"):
         op = by_id[tid]
         assert type(op).__name__ == "SparkSubmitOperator"
-        assert op.application == str(ROOT / "jobs" / f"{tid}.py")
+        assert op.application == "{{ ti.xcom_pull(task_ids='settings')['jobs'] }}/" + f"{tid}.py"
         assert op.retries == 2 and op.retry_exponential_backoff
     sensor = by_id["wait_for_input"]
     assert sensor.mode == "reschedule" and sensor.timeout == 12 * 3600
@@ -166,20 +166,59 @@ def test_settings_precedence_run_conf_over_variable_over_file(tmp_path):
     f = c.load_file()
     f = {**f, "output": "/file/out", "nodes": 1, "spark_conf": {"spark.executor.memory": "2g"}}
     got = c.resolve(f, {"output": "/var/out", "nodes": 4, "spark_conf": {"spark.executor.memory": "8g"}},
-                    {"nodes": "2", "unknown": 1}, dt.date(2026, 1, 3))
-    assert got["output"] == "/var/out" and got["nodes"] == 2
+                    {"nodes": "2", "incremental_days": 7, "date": "2026-01-03"}, dt.date(2026, 1, 3))
+    assert got["output"] == "/var/out" and got["nodes"] == 2 and got["pretrain_days"] == 7
     assert got["spark_conf"] == {"spark.executor.memory": "8g"}
     assert got["date"] == "2026-01-03" and got["window_end"] == "2026-01-04"
-    assert got["incremental_staging"] == "/var/out".replace("/var/out", os.path.abspath(got["shards"])) + \
-        "/_staging/incremental/2026-01-04"
+    assert got["incremental_staging"] == os.path.abspath(got["shards"]) + "/_staging/incremental/2026-01-04"
     assert got["input_partition"] == f"{got['input']}/date=2026-01-03"
-    assert "unknown" not in got
+    assert got["jobs"] == str(ROOT / "jobs")
+
+
+@pytest.mark.parametrize("layer,key,why", [
+    ("variable", "nodez", "unknown key 'nodez'"), ("run_conf", "unknown", "unknown key 'unknown'"),
+    ("variable", "retries", "fixed when the scheduler parses"), ("run_conf", "start_date", "fixed when"),
+    ("variable", "date", "unknown key 'date'"),  # the processed day is a run's own, not the Variable's
+])
+def test_every_variable_and_run_conf_key_is_honoured_or_refused_by_name(layer, key, why):
+    c = common()
+    kw = {"variable": None, "run_conf": None, layer: {key: 1}}
+    with pytest.raises(c.SettingsError, match=why):
+        c.resolve(c.load_file(), kw["variable"], kw["run_conf"], dt.date(2026, 1, 3))
+
+
+def test_paths_on_cluster_storage_stay_urls():
+    """No os.path on a URL: hdfs:// and s3a:// paths come out as they went in, the staging
+    folders joined under them."""
+    c = common()
+    f = {**c.load_file(), "input": "hdfs://nn:8020/logs/imp", "output": "s3a://uw/D", "shards": "s3a://uw/S/",
+         "config": "s3a://uw/conf/c.yaml", "jobs": "hdfs://nn:8020/uw/jobs"}
+    got = c.resolve(f, None, None, dt.date(2026, 1, 3))
+    assert got["input_partition"] == "hdfs://nn:8020/logs/imp/date=2026-01-03"
+    assert got["incremental_staging"] == "s3a://uw/S/_staging/incremental/2026-01-04"
+    assert got["pretrain_staging"] == "s3a://uw/S/_staging/pretrain/2026-01-04"
+    assert got["output"] == "s3a://uw/D" and got["config"] == "s3a://uw/conf/c.yaml"
+    assert got["jobs"] == "hdfs://nn:8020/uw/jobs"
+
+
+def test_the_sensors_poke_the_store(tmp_path):
+    """The sensors' pokes go through the product's storage layer (any store), not Path."""
+    c = common()
+    st = {"input_partition": str(tmp_path / "in" / "date=2026-01-03"), "output": str(tmp_path / "D"),
+          "date": "2026-01-03"}
+    assert not c.input_ready(st) and not c.day_published(st)
+    (tmp_path / "in" / "date=2026-01-03").mkdir(parents=True)
+    from userwise.pipelines.records import published
+
+    published.write(str(tmp_path / "D"), "incremental", "2026-01-03", {"kind": "incremental"})
+    assert c.input_ready(st) and c.day_published(st)
+    assert c.input_ready({**st, "input_partition": "memory://nothing/here"}) is False
 
 
 def test_config_file_rejects_unknown_keys(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("nodez: 3\n")
-    with pytest.raises(ValueError, match="nodez"):
+    with pytest.raises(common().SettingsError, match="nodez"):
         common().load_file(p)
 
 
@@ -196,7 +235,7 @@ def test_spark_submit_command_ships_the_zip_and_jars():
     assert cmd[:3] == ["spark-submit", "--master", "local[2]"]
     assert cmd[cmd.index("--py-files") + 1] == "dist/userwise-0.1.0-pyfiles.zip"
     assert cmd[cmd.index("--jars") + 1] == "a.jar,b.jar"
-    assert cmd[-3:] == [str(ROOT / "jobs" / "history.py"), "--date", "2026-01-01"]
+    assert cmd[-3:] == [op.application, "--date", "2026-01-01"] and op.application.endswith("/history.py")
     assert "{{" in op.py_files and "settings" in op.py_files  # resolved per run from the settings task
 
 
@@ -217,42 +256,80 @@ def _why(r: subprocess.CompletedProcess, log: Path) -> str:
     return f"full output in {log}\n--- lines that say why:\n{said}\n--- end:\n{out[-2500:]}"
 
 
+DAG_RUNS = """
+import datetime as dt, sys
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=%(folder)r)
+utc = dt.timezone.utc
+runs = [("userwise_daily", dt.datetime(2026, 1, 2, tzinfo=utc), None),   # processes 2026-01-01
+        ("userwise_daily", dt.datetime(2026, 1, 3, tzinfo=utc), None),   # processes 2026-01-02
+        ("userwise_pretrain", dt.datetime(2026, 1, 3, 12, tzinfo=utc), {"date": "2026-01-02", "pretrain_days": 1})]
+for dag_id, when, conf in runs:
+    run = bag.dags[dag_id].test(logical_date=when, run_conf=conf)
+    print("STATE", dag_id, when.date(), run.state, flush=True)
+    if not str(run.state).endswith("success"):
+        sys.exit(1)
+"""
+
+
 @pytest.mark.spark
 @pytest.mark.slow
-def test_daily_dag_end_to_end_twice_changes_nothing(tmp_path, airflow_home):
-    """dag.test() of one small day: every task spark-submits its job; a second run is a no-op on data."""
+def test_both_dags_on_hdfs_equal_a_local_run(spark, tmp_path, airflow_home):
+    """dag.test() of the daily DAG for two days and of the pretrain DAG, with the config, the
+    input, the build folder and the shards on a MiniDFSCluster: every task spark-submits its
+    job, the sensors poke HDFS. The tables and shard sets on HDFS equal those of the same days
+    run locally (backfill, then pretrain, preshard and publish through the CLI)."""
+    from tests.support.uwchain import shard_rows, table_rows
+    from userwise.pipelines import cli
+    from userwise.pipelines.records import published
     from userwise.pipelines.runtime import ship
+    from userwise.pipelines.tools.hdfs_store import HdfsStore
 
-    data = synth(tmp_path / "synth", days=1)
-    zip_path = ship.build(tmp_path / "dist")
-    cfg = tmp_path / "userwise.yaml"
-    cfg.write_text(
-        f"config: {data}/config.yaml\ninput: {data}/lean\noutput: {tmp_path}/build\nshards: {tmp_path}/shards\n"
-        f"py_files: {zip_path}\nnodes: 2\nsensor_poke_seconds: 1\nsensor_timeout_hours: 0.01\nretries: 0\n"
-        "spark_conf: {spark.driver.memory: 1g, spark.ui.enabled: 'false', "
-        + ", ".join(f"{k}: '{v}'" for k, v in {**FAST_CONF, **SUBMIT_JVM}.items()) + "}\n")
-    env = env_with_spark_bin()
-    env.update(USERWISE_AIRFLOW_CONFIG=str(cfg), AIRFLOW_HOME=str(airflow_home),
-               AIRFLOW__CORE__DAGS_FOLDER=str(DAG_FOLDER), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-               AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type": "spark", "host": "local[2]"}')
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
-    script = (
-        "import datetime as dt, sys\n"
-        "from airflow.dag_processing.dagbag import DagBag\n"
-        f"dag = DagBag(dag_folder={str(DAG_FOLDER)!r}).dags['userwise_daily']\n"
-        "run = dag.test(logical_date=dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc), run_conf=%s)\n"
-        "print('STATE', run.state)\n"
-        "sys.exit(0 if str(run.state).endswith('success') else 1)\n")
-    first = subprocess.run([sys.executable, "-c", script % "None"], env=env, capture_output=True, text=True)
-    assert first.returncode == 0, _why(first, tmp_path / "first.log")
-    rec = tmp_path / "build" / "_userwise" / "published" / "incremental" / "2026-01-01.json"
-    assert rec.exists()
-    tables, shards = table_digest(tmp_path / "build"), shard_digest(tmp_path / "shards")
-    assert set(shards) == {"incremental/2026-01-02/node=0/shard-00000.parquet",
-                           "incremental/2026-01-02/node=1/shard-00001.parquet"}
-    # second run of the same day (explicit override, a fresh run id): same tables, same shard bytes
-    second = subprocess.run([sys.executable, "-c", (script % "{'date': '2026-01-01'}").replace(
-        "dt.datetime(2026, 1, 2,", "dt.datetime(2026, 1, 9,")], env=env, capture_output=True, text=True)
-    assert second.returncode == 0, _why(second, tmp_path / "second.log")
-    assert table_digest(tmp_path / "build") == tables
-    assert shard_digest(tmp_path / "shards") == shards
+    data = synth(tmp_path / "synth", days=2)
+    store = HdfsStore(tmp_path / "hdfs").start()
+    try:
+        fs = store.fsspec()
+        fs.put(str(data / "lean"), "/in/lean", recursive=True)
+        fs.put(str(data / "config.yaml"), "/conf/config.yaml")
+        url = store.url
+        zip_path = ship.build(tmp_path / "dist")
+        cfg = tmp_path / "userwise.yaml"
+        conf = {**FAST_CONF, **SUBMIT_JVM, "spark.hadoop.dfs.replication": "1"}
+        cfg.write_text(
+            f"config: {url}/conf/config.yaml\ninput: {url}/in/lean\noutput: {url}/uw/D\nshards: {url}/uw/S\n"
+            f"py_files: {zip_path}\nnodes: 2\nsensor_poke_seconds: 1\nsensor_timeout_hours: 0.01\nretries: 0\n"
+            "spark_conf: {spark.driver.memory: 1g, spark.ui.enabled: 'false', "
+            + ", ".join(f"{k}: '{v}'" for k, v in conf.items()) + "}\n")
+        env = env_with_spark_bin()
+        env.update(store.env(), USERWISE_AIRFLOW_CONFIG=str(cfg), AIRFLOW_HOME=str(airflow_home),
+                   AIRFLOW__CORE__DAGS_FOLDER=str(DAG_FOLDER), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+                   AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type": "spark", "host": "local[2]"}')
+        subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+        r = subprocess.run([sys.executable, "-c", DAG_RUNS % {"folder": str(DAG_FOLDER)}], env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, _why(r, tmp_path / "dags.log")
+        remote_d, remote_s = f"{url}/uw/D", f"{url}/uw/S"
+        os.environ.update(store.env())  # this process reads the store too
+        for day in ("2026-01-01", "2026-01-02"):
+            assert published.read(remote_d, "incremental", day)["shards"]["root"].startswith(url)
+        assert published.read(remote_d, "pretrain", "2026-01-03")["shards"]["rows"] > 0
+        assert not fs.exists("/uw/S/_staging/incremental/2026-01-02")  # moved into place
+
+        # the same days locally, through the CLI
+        local_d, local_s = str(tmp_path / "local" / "D"), str(tmp_path / "local" / "S")
+        common_args = ["--config", str(data / "config.yaml"), "--build-dir", local_d]
+        assert cli.main(["backfill", "--from", "2026-01-01", "--to", "2026-01-02", *common_args, "--input",
+                         str(data / "lean"), "--shards", local_s, "--nodes", "2"]) == 0
+        assert cli.main(["pretrain", *common_args, "--as-of", "2026-01-03", "--incremental-days", "1"]) == 0
+        assert cli.main(["preshard", "--build-dir", local_d, "--shards", f"{local_s}/_staging/pretrain/2026-01-03",
+                         "--nodes", "2", "--ranks-per-node", "1", "--kind", "pretrain"]) == 0
+        assert cli.main(["publish", "--build-dir", local_d, "--shards", local_s, "--kind", "pretrain",
+                         "--as-of", "2026-01-03"]) == 0
+        for t in ("requests", "events", "history", "samples", "quarantine"):
+            a, b = table_rows(spark, local_d, t, [str(data / "lean")]), table_rows(spark, remote_d, t, ["lean"])
+            assert a == b and (a[1] or t == "quarantine"), t
+        for key in ("incremental/2026-01-02", "incremental/2026-01-03", "pretrain/2026-01-03"):
+            assert shard_rows(f"{local_s}/{key}") == shard_rows(f"{remote_s}/{key}") != [], key
+    finally:
+        os.environ.pop("USERWISE_WEBHDFS", None)
+        store.stop()

@@ -14,12 +14,12 @@ import subprocess
 import sys
 import time
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import yaml
 
 from tests.support import edgegen
+from tests.support.uwchain import shard_rows, table_rows
 from userwise.pipelines import cli
 from userwise.pipelines.records import state
 from userwise.pipelines.runtime import delta_io, storage
@@ -73,18 +73,7 @@ def builds(spark, store, log, tmp_path_factory):
     return local, remote, {n: json.loads((reports / f"{n}.json").read_text()) for n in ("local", "remote")}
 
 
-def _rows(spark, out, name, inputs, where=None):
-    """(columns, every row as text, sorted): a table's content (the rows matching the SQL ``where``),
-    whatever its file order, with the input files' locations (quarantined rows name their file)
-    cut to the input's own folder."""
-    cut = re.compile(r"[^\s'\"]*/(" + "|".join(re.escape(os.path.basename(p)) for p in inputs) + r")/")
-    df = delta_io.read(spark, delta_io.table_path(out, name))
-    if where is not None:
-        df = df.where(where)
-    pdf = df.select([f.name for f in df.schema if not f.dataType.typeName().startswith("timestamp")]  # when it ran
-                    if name == "history_log" else df.columns).toPandas()
-    return list(pdf.columns), sorted(cut.sub(r"<in>/\1/", str(tuple(str(v) for v in r)))
-                                     for r in pdf.itertuples(index=False))
+_rows = table_rows
 
 
 @pytest.mark.spark
@@ -356,20 +345,7 @@ def test_conf_reaches_the_session_builder(tmp_path, capsys):
     spark_runtime.CLI_CONF.clear()
 
 
-def _shard_rows(root, drop=()):
-    """Every row of a shard set's files (local or on the store; without the users ``drop``), as
-    text, sorted."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    fs, base = storage.filesystem(root)
-    out = []
-    for s in mf.load(root)["shards"]:
-        t = pq.read_table(f"{base}/{s['path']}", filesystem=fs)
-        if drop:
-            t = t.filter(pc.invert(pc.is_in(t["user"], value_set=pa.array(drop, t["user"].type))))
-        out += [str(r) for r in t.to_pylist()]
-    return sorted(out)
+_shard_rows = shard_rows
 
 
 @pytest.mark.spark

@@ -58,6 +58,43 @@ def shard_digest(shards: str | Path) -> dict[str, str]:
     return out
 
 
+def table_rows(spark, out, name, inputs, where=None) -> tuple[list[str], list[str]]:
+    """(columns, every row as text, sorted): a table's content (the rows matching the SQL ``where``),
+    whatever its file order or store, with the input files' locations (quarantined rows name their
+    file) cut to the input's own folder (``inputs``: the input paths, or their base names)."""
+    import re
+
+    from userwise.pipelines.runtime import delta_io
+
+    cut = re.compile(r"[^\s'\"]*/(" + "|".join(re.escape(os.path.basename(str(p))) for p in inputs) + r")/")
+    df = delta_io.read(spark, delta_io.table_path(str(out), name))
+    if where is not None:
+        df = df.where(where)
+    pdf = df.select([f.name for f in df.schema if not f.dataType.typeName().startswith("timestamp")]  # when it ran
+                    if name == "history_log" else df.columns).toPandas()
+    return list(pdf.columns), sorted(cut.sub(r"<in>/\1/", str(tuple(str(v) for v in r)))
+                                     for r in pdf.itertuples(index=False))
+
+
+def shard_rows(root, drop=()) -> list[str]:
+    """Every row of a shard set's files (local or on a store; without the users ``drop``), as
+    text, sorted."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from userwise.pipelines.runtime import storage
+
+    fs, base = storage.filesystem(str(root))
+    out = []
+    for s in mf.load(str(root))["shards"]:
+        t = pq.read_table(f"{base}/{s['path']}", filesystem=fs)
+        if drop:
+            t = t.filter(pc.invert(pc.is_in(t["user"], value_set=pa.array(drop, t["user"].type))))
+        out += [str(r) for r in t.to_pylist()]
+    return sorted(out)
+
+
 def fast_session_conf(spark):
     """Set FAST_CONF on a live session; returns a function that restores the old values."""
     from userwise.pipelines.runtime.spark import session_conf
