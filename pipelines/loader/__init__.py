@@ -31,6 +31,8 @@ Modules, from the shard files to the trainer:
 - ``workers``: the persistent worker processes and their pool.
 - ``pinned``: the pool of pinned host buffers, and page-locking workers' slots (CUDA).
 - ``loader``: :class:`UserwiseLoader` (workers, pinned copies, side-stream prefetch, state).
+- ``resume``: the loader's state: what it records, what a loaded state must match, and the
+  exact remap of a mid-epoch change of world size or batch cut by the samples consumed.
 - ``diagnose``: ``userwise diagnose``, the three-step bottleneck test.
 
 Never imports pyspark.

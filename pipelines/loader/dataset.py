@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ShardError
-from userwise.pipelines.loader import assemble_torch, decode
+from userwise.pipelines.loader import assemble_torch, decode, resume
 from userwise.pipelines.loader.assemble import Prepared
 from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, plan_node, user_unit
 from userwise.pipelines.loader.shards import NodeShards, open_node
@@ -50,6 +50,32 @@ def dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def collective_device(group=None) -> torch.device:
+    """Where the tensor of a collective over ``group`` (default the whole job) must be: the CPU
+    when the group has a CPU backend (gloo, mpi, ucc, or a group of several such as
+    ``"cpu:gloo,cuda:nccl"``: a few integers travel best without a device copy), else the
+    backend's accelerator: the device the group is bound to (``init_process_group(device_id=)``),
+    else the current one (NCCL: ``torch.cuda.current_device()``, which the trainer sets with
+    ``torch.cuda.set_device(local_rank)``; NCCL takes no CPU tensors)."""
+    d = torch.distributed
+    backend = str(d.get_backend(group)).lower()
+    devices: list[str] = []
+    for part in backend.split(","):
+        dev, sep, name = part.strip().partition(":")
+        if sep:  # "cuda:nccl": this device type through that backend
+            devices.append(dev)
+        else:  # "nccl": the device types the backend serves
+            devices += d.Backend.backend_capability.get(dev, ["cpu"])
+    if "cpu" in devices or not devices:
+        return torch.device("cpu")
+    kind = devices[0]
+    pg = group if group is not None else d.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)
+    if isinstance(bound, torch.device) and bound.type == kind and bound.index is not None:
+        return bound
+    return torch.device(kind, getattr(torch, kind).current_device())
 
 
 REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
@@ -207,6 +233,7 @@ class UserwiseDataset(IterableDataset):
         self.epoch = 0
         self._start = 0
         self._plans: dict[int, RankPlan] = {}
+        self._resumed: tuple[int, list] | None = None  # (epoch, the runs that consumed part of it: resume.py)
         self._owner = None
         self._keep_cache = None
         self.read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
@@ -280,7 +307,10 @@ class UserwiseDataset(IterableDataset):
             self._keep_cache = self._keep()
         owner = self._owner
         costs = sh.column("cost") if self.token_budget is not None else None
-        kw = dict(rg_rows=sh.rg_rows, rg_set=sh.rg_set, rg_owner=owner, keep=self._keep_cache, costs=costs,
+        keep = self._keep_cache
+        if self._resumed is not None and self._resumed[0] == epoch:  # what the saved runs left of the epoch
+            keep = resume.remaining(self, epoch, self._resumed[1], keep)
+        kw = dict(rg_rows=sh.rg_rows, rg_set=sh.rg_set, rg_owner=owner, keep=keep, costs=costs,
                   sets=self.set_idx, world=self.world_size, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                   batch_order=self.batch_order, buffer_rgs=self.buffer_row_groups, batch_size=self.batch_size,
                   token_budget=self.token_budget)
@@ -298,10 +328,12 @@ class UserwiseDataset(IterableDataset):
                     and d.get_world_size() > self.world_size)
 
     def _cross_node_targets(self, targets: dict) -> dict:
+        """The batches per set every rank of the job agrees on: this node's, or with
+        :meth:`_spans_nodes` the max over all nodes (one all-reduce, on the backend's device)."""
         if not self._spans_nodes():
             return targets
         d = torch.distributed
-        t = torch.tensor([targets[s] for s in self.set_idx], dtype=torch.long)
+        t = torch.tensor([targets[s] for s in self.set_idx], dtype=torch.long, device=collective_device())
         d.all_reduce(t, op=d.ReduceOp.MAX)
         return {s: int(v) for s, v in zip(self.set_idx, t.tolist())}
 
@@ -335,6 +367,21 @@ class UserwiseDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
+
+    def set_resumed(self, epoch: int, runs: list | None) -> None:
+        """Plan ``epoch`` without the samples that the saved runs ``runs`` consumed in it
+        (:func:`~userwise.pipelines.loader.resume.remaining`; none: the whole epoch). Drops
+        the plans made for the epochs this changes."""
+        new = (int(epoch), list(runs)) if runs else None
+        if new == self._resumed:
+            return
+        stale = {e for e in (epoch, self._resumed and self._resumed[0]) if e is not None}
+        self._plans = {e: p for e, p in self._plans.items() if e not in stale}
+        self._resumed = new
+
+    def resumed(self, epoch: int) -> list:
+        """The saved runs that consumed part of ``epoch`` (empty for a whole epoch)."""
+        return list(self._resumed[1]) if self._resumed is not None and self._resumed[0] == int(epoch) else []
 
     def __len__(self) -> int:
         return self.plan().num_batches

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader import segcopy
+from userwise.pipelines.loader import resume, segcopy
 from userwise.pipelines.loader.batch import JaggedBatch, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset, say_once
 from userwise.pipelines.loader.pinned import PinnedPool
@@ -82,9 +82,13 @@ class UserwiseLoader:
             consumer that holds on to more than ``worker_queue`` batches of one worker
             gets copies from then on, so the workers never stall. Default True.
 
-    State (``state_dict``/``load_state_dict``): ``{"epoch", "cursor", "seed"}``;
-    ``cursor`` is the number of batches of the epoch already handed out, so a
-    reloaded loader continues at exactly the next batch.
+    State (``state_dict``/``load_state_dict``): a small JSON-able dict, ``{"epoch",
+    "cursor", "seed", "samples", ...}`` with what it depends on (node, rank, world size,
+    batch size or token budget, the shard set, the selection; :mod:`~userwise.pipelines.loader.resume`).
+    ``cursor`` is the number of batches of the epoch already handed out, so a reloaded
+    loader continues at exactly the next batch. A state that does not fit is refused
+    (:class:`~userwise.pipelines.loader.resume.LoaderStateError`); a world size or batch
+    cut changed mid-epoch is remapped by the samples consumed, from every rank's state.
 
     Example::
 
@@ -112,6 +116,9 @@ class UserwiseLoader:
             self.num_workers = 0
         self.epoch = dataset.epoch
         self.cursor = 0
+        self._samples = 0  # samples in the batches of this epoch handed out (the state's "samples")
+        self._targets: list | None = None  # batches per set of this epoch's plan, once known
+        self._loaded: dict | None = None  # a loaded state, checked against the plan when the epoch is planned
         self.stats = LoaderStats()
         self._pool = PinnedPool(self.prefetch + 2) if self.pin else None
         self._workers: WorkerPool | None = None
@@ -119,17 +126,35 @@ class UserwiseLoader:
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.dataset.seed}
+        """Where this rank is and what that depends on (docs/loader.md, Resuming)."""
+        ds = self.dataset
+        st = {"epoch": self.epoch, "cursor": self.cursor, "seed": ds.seed, "samples": self._samples,
+              **resume.identity(ds)}
+        if self.cursor and self._targets is not None:
+            st["targets"] = list(self._targets)
+        runs = ds.resumed(self.epoch)
+        if runs:
+            st["resumed"] = runs
+        return st
 
-    def load_state_dict(self, state: dict) -> None:
-        """Queue the state for the next iterator (epoch and batch cursor)."""
-        if "seed" in state and int(state["seed"]) != self.dataset.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this dataset has seed {self.dataset.seed}")
-        self.epoch = int(state.get("epoch", 0))
-        self.cursor = int(state.get("cursor", 0))
+    def load_state_dict(self, state) -> None:
+        """Queue a state for the next iterator: this rank's ``state_dict()``, or the list of
+        every rank's (as ``dist.all_gather_object`` collects them; needed to change the world
+        size, batch size or token budget mid-epoch). Its fields are checked now (a few
+        comparisons); the plan is checked when the epoch is planned, at the next iteration.
+        Raises :class:`~userwise.pipelines.loader.resume.LoaderStateError` for a state
+        that does not fit this loader."""
+        st = resume.accept(self.dataset, state)
+        self.epoch, self.cursor = int(st.get("epoch", 0)), int(st.get("cursor", 0))
+        self._samples = int(st.get("samples", 0))
+        self._targets = st.get("targets")
+        self._loaded = st if self.cursor else None
+        self.dataset.set_resumed(self.epoch, st.get("resumed"))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.cursor = int(epoch), 0
+        self._samples, self._targets, self._loaded = 0, None, None
+        self.dataset.set_resumed(self.epoch, None)
 
     def __len__(self) -> int:
         return self.dataset.plan(self.epoch).num_batches
@@ -139,8 +164,13 @@ class UserwiseLoader:
         epoch, start = self.epoch, self.cursor
         self.dataset.set_epoch(epoch)
         plan = self.dataset.plan(epoch)
+        if self._loaded is not None:  # the saved run's plan, made again: the same batches before the cursor
+            resume.check_plan(self.dataset, plan, self._loaded)
+            self._loaded = None
+        self._targets = resume.targets_of(plan, self.dataset.set_idx)
+        self._samples = resume.samples_before(plan, start)
         if start >= plan.num_batches:  # resumed at the very end of an epoch
-            self.epoch, self.cursor = epoch + 1, 0
+            self._next_epoch(epoch)
             return
         host = self._host_batches(plan, epoch, start)
         dev = self._device_batches(host)
@@ -153,11 +183,16 @@ class UserwiseLoader:
                     break
                 self.stats.add(b, time.perf_counter() - t0)
                 self.cursor = int(b.meta["index"]) + 1
+                self._samples += b.num_samples
                 yield b
         finally:
             dev.close()
             host.close()
-        self.epoch, self.cursor = epoch + 1, 0
+        self._next_epoch(epoch)
+
+    def _next_epoch(self, epoch: int) -> None:
+        self.epoch, self.cursor, self._samples, self._targets = epoch + 1, 0, 0, None
+        self.dataset.set_resumed(epoch + 1, None)
 
     def _alloc(self):
         if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there

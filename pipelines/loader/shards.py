@@ -9,6 +9,8 @@ module, :mod:`userwise.pipelines.shards.manifest`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -42,10 +44,24 @@ class NodeShards:
     schema: object = None
     rg_bytes: np.ndarray | None = None  # uncompressed (decoded) bytes per row group, from the footers
     _cols: dict = field(default_factory=dict, repr=False)
+    _fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def roles(self) -> dict:
         return self.manifest.get("roles") or {}
+
+    @property
+    def fingerprint(self) -> str:
+        """The shard set's identity: sha256 (16 hex digits) of its manifest, without the
+        ``staged_node`` that ``stage`` adds, so a set read from its root and its staged copies
+        are the same set on every node. The manifest holds every file's sha256, the sets and
+        the shape (nodes, ranks per node), so any change of the set's content changes it.
+        A loader state records it (:mod:`~userwise.pipelines.loader.resume`)."""
+        if self._fingerprint is None:
+            m = {k: v for k, v in self.manifest.items() if k != "staged_node"}
+            text = json.dumps(m, sort_keys=True, separators=(",", ":"), default=str)
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def path(self, shard: int) -> str:
         return os.path.join(self.root, self.shards[shard]["path"])
