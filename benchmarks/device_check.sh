@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The loader's GPU checks in one short run (about 5 minutes) on a CUDA machine:
+# The loader's GPU checks in one short run (about 5-6 minutes) on a CUDA machine:
 #
 #     bash benchmarks/device_check.sh [OUTDIR]
 #
@@ -8,7 +8,12 @@
 #    segmented-copy, diagnose and loader tests (the loader tests on a GPU host too);
 # 2. benchmarks/gpu_check.py: pinned vs pageable H2D, prefetch overlap, the GDS path;
 # 3. benchmarks/loader_bench.py with the loader delivering to the GPU (--device cuda)
-#    and to host memory (--device cpu), on this host's cores.
+#    and to host memory (--device cpu), on this host's cores;
+# 4. nccl: tests/loader/test_loader_distributed.py: the cross-node all-reduce of the
+#    epoch's batch counts through NCCL on the current CUDA device (NCCL takes one GPU per
+#    rank, so on one GPU a group of one rank that the dataset is told spans nodes; and
+#    a "cpu:gloo,cuda:nccl" group, which reduces on the CPU; a CPU tensor under NCCL is
+#    refused), plus the 2 nodes x 2 ranks gloo run and the device-choice tests.
 #
 # It runs with the python3 on PATH and that interpreter's packages (a GPU image's
 # torch, pyarrow, numpy, numba), without installing the project: a shim folder maps
@@ -38,7 +43,7 @@ ln -s "$REPO/pipelines" "$SHIM/userwise/pipelines"
 ln -s "$REPO/schemas" "$SHIM/userwise/schemas"
 export PYTHONPATH=$SHIM:$REPO${PYTHONPATH:+:$PYTHONPATH}
 
-STEPS=${STEPS:-env tests gpu_check loader_bench_cuda loader_bench_cpu}
+STEPS=${STEPS:-env tests gpu_check loader_bench_cuda loader_bench_cpu nccl}
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 lim=$2 t0
     shift 2
@@ -87,4 +92,5 @@ train_step train_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="
     tests/train/test_spans_masks.py tests/train/test_model.py
 train_step train_bench_cuda 150 python3 benchmarks/train_bench.py --device cuda --threads 0 --seconds 2 \
     --json "$OUTDIR/train_bench_cuda.json" --plot "$OUTDIR/train_bench_cuda.png"
+step nccl 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/loader/test_loader_distributed.py
 echo "device_check: done" | tee -a "$LOG"
