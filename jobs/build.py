@@ -5,9 +5,14 @@
 ARGS are those of ``userwise build --help``; this file parses nothing itself.
 """
 
+import os
 import sys
 
-from userwise.pipelines.cli import main
+# Python puts this file's folder first on the import path, where requests.py would shadow
+# the `requests` library (WebHDFS and the object stores import it): take the folder off.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from userwise.pipelines.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["build", *sys.argv[1:]]))

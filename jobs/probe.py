@@ -6,9 +6,14 @@ argv[1] (a path only the driver needs to see).
 """
 
 import json
+import os
 import sys
 
-from userwise.pipelines.runtime.spark import get_spark
+# Python puts this file's folder first on the import path, where requests.py would shadow
+# the `requests` library (WebHDFS and the object stores import it): take the folder off.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from userwise.pipelines.runtime.spark import get_spark  # noqa: E402
 
 
 def _probe(_):
