@@ -28,4 +28,11 @@ holds the order in which they may import each other.
 Nothing here imports pyspark at package import time.
 """
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str):
+    """``__version__``: the installed distribution's (:func:`runtime.ship.version`)."""
+    if name == "__version__":
+        from userwise.pipelines.runtime.ship import version
+
+        return version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -345,14 +345,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def version() -> str:
-    try:
-        from importlib.metadata import version as dist_version
+    from userwise.pipelines.runtime.ship import version
 
-        return dist_version("userwise")
-    except Exception:  # noqa: BLE001 - not installed (a source tree on the path)
-        from userwise.pipelines import __version__
-
-        return __version__
+    return version()
 
 
 EPILOG = "exit codes: " + "; ".join(f"{k} {v}" for k, v in console.EXIT_CODES.items())

@@ -81,15 +81,26 @@ def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
 SHIPPED = (".py", ".xml")  # modules and package data (the jar poms)
 
 
+def version() -> str:
+    """The installed distribution's version (its metadata: pyproject's ``version``, the one place
+    it is spelled); ``0+unknown`` where the code runs from a zip or an uninstalled checkout."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("userwise")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def installed_files() -> list[tuple[str, bytes]]:
     """The importable ``userwise`` packages as (archive name, bytes): what this interpreter
     imports, whether installed from a wheel or editable from a checkout."""
-    import userwise.pipelines
     import userwise.schemas
 
     out = []
-    for pkg, name in ((userwise.pipelines, "userwise/pipelines"), (userwise.schemas, "userwise/schemas")):
-        root = Path(pkg.__path__[0])
+    pipelines_root = Path(__file__).resolve().parents[1]  # this module is pipelines/runtime/ship.py
+    for root, name in ((pipelines_root, "userwise/pipelines"),
+                       (Path(userwise.schemas.__path__[0]), "userwise/schemas")):
         for f in sorted(root.rglob("*")):
             if f.suffix in SHIPPED and f.is_file() and "__pycache__" not in f.parts:
                 out.append((f"{name}/{f.relative_to(root).as_posix()}", f.read_bytes()))
@@ -103,14 +114,12 @@ def installed_zip(dest: str | Path | None = None) -> Path:
     import hashlib
     import tempfile
 
-    from userwise.pipelines import __version__
-
     files = installed_files()
     h = hashlib.sha256()
     for n, data in files:
         h.update(n.encode() + b"\0" + data)
     dest = Path(dest) if dest else Path(tempfile.gettempdir()) / "userwise-ship"
-    out = dest / f"userwise-{__version__}-{h.hexdigest()[:12]}-pyfiles.zip"
+    out = dest / f"userwise-{version()}-{h.hexdigest()[:12]}-pyfiles.zip"
     return out if out.is_file() else _write_zip(files, out)
 
 

@@ -18,6 +18,7 @@ import time
 import pyarrow as pa
 import pytest
 
+from userwise.pipelines import console
 from userwise.pipelines.builder import build as build_range
 from userwise.pipelines.records import state, writer_lock
 from userwise.pipelines.runtime import delta_io
@@ -80,7 +81,7 @@ STEP = re.compile(r"^\[userwise\] (\S+) +(?:([\d,]+) rows)? +(\d+\.\d) s$")
 
 def test_a_build_prints_the_report_on_stdout_its_steps_on_stderr_and_spark_s_log_in_a_file(clean_run, capsys):
     _, r, rep = clean_run
-    build_range.print_report(rep)
+    console.emit(rep, build_range.report_text)
     assert r.stdout == capsys.readouterr().out  # the report alone
     assert rep["bytes_in"] > 0 and rep["bytes_out"] > 0
     steps = {m.group(1): m for m in map(STEP.match, r.stderr.splitlines()) if m}
