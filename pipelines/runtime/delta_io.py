@@ -125,8 +125,9 @@ def _rows_since(path: str, since: int) -> int:
 
 
 def arrow_filesystem(path: str):
-    """pyarrow's local filesystem rooted at the table ``path`` (a path or a ``file://`` URI);
-    None for other schemes (object stores: delta-rs' own filesystem, with its credentials).
+    """pyarrow's filesystem rooted at the table ``path``: the local one for a path or a
+    ``file://`` URI, pyarrow's S3 for ``s3://`` / ``s3a://`` (:func:`storage.filesystem`: the
+    same ``AWS_*`` settings delta-rs reads); None for other schemes (delta-rs' own filesystem).
 
     delta-rs reads its Arrow datasets through a Python filesystem of its own by default
     (``DeltaStorageHandler``: Arrow's I/O threads call back into Python and a Rust runtime).
@@ -142,6 +143,9 @@ def arrow_filesystem(path: str):
         root = os.path.abspath(path)
     elif path.startswith("file://"):
         _, root = pafs.FileSystem.from_uri(path)
+    elif path.split("://", 1)[0] in ("s3", "s3a", "s3n"):
+        fs, root = storage.filesystem(path)
+        return pafs.SubTreeFileSystem(root, fs)
     else:
         return None
     return pafs.SubTreeFileSystem(root, pafs.LocalFileSystem())

@@ -31,7 +31,8 @@ Example::
     spark.range(3).write.format("delta").save(store.url("warehouse", "t"))
     store.close()
 
-``python -m userwise.pipelines.tools.s3_store`` fetches the connector's jars and prints them.
+``python -m userwise.pipelines.tools.s3_store`` fetches the connector's jars and prints them with
+the Spark settings for AWS's S3 (:func:`s3a_conf`, region ``$AWS_REGION``).
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ class StoreError(UserwiseError):
     """The S3 store cannot start (moto missing, the server exits or never answers)."""
 
 
-def ensure_jars(verbose: bool = True) -> list[str]:
-    """Spark's S3 connector jars (hadoop-aws and its AWS SDK modules), fetched into the cache if needed."""
+def ensure_jars(verbose: bool = True, delta: bool = False) -> list[str]:
+    """Spark's S3 connector jars (hadoop-aws and its AWS SDK modules), fetched into the cache if
+    needed; ``delta``: Delta's first (``spark.jars`` names both: it replaces the session's default)."""
     try:
-        return jars.fetch(jars.S3, verbose=verbose)
+        return (jars.ensure(verbose=verbose) if delta else []) + jars.fetch(jars.S3, verbose=verbose)
     except jars.JarsError as e:
         raise StoreError(str(e)) from None
 
@@ -76,7 +78,7 @@ def s3a_conf(endpoint: str | None = None, region: str = REGION) -> dict[str, str
     variables of the driver's (and executors') environment; ``endpoint``: an S3 API other than
     AWS's (path-style requests, plain http when it says ``http://``)."""
     conf = {
-        "spark.jars": ",".join(jars.ensure(verbose=False) + ensure_jars(verbose=False)),
+        "spark.jars": ",".join(ensure_jars(verbose=False, delta=True)),
         "spark.hadoop.fs.s3a.aws.credentials.provider": ENV_CREDENTIALS,
         "spark.hadoop.fs.s3a.endpoint.region": region,
         "spark.delta.logStore.s3a.impl": LOG_STORE,
@@ -300,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--serve"]:
         _serve(int(argv[1]), int(argv[argv.index("--parent") + 1]), "--requests" in argv)
         return 0
-    try:
-        print(json.dumps({"jars": ensure_jars()}, indent=1))
+    try:  # the jars, and Spark's settings for AWS's S3 in $AWS_REGION (Delta's jars and these)
+        print(json.dumps({"jars": ensure_jars(),
+                          "spark_conf": s3a_conf(region=os.environ.get("AWS_REGION") or REGION)}, indent=1))
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
