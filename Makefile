@@ -14,7 +14,7 @@ PETA := .venv-petastorm
 PETA_STAMP := $(PETA)/.installed
 DEMO ?= demo
 
-.PHONY: demo demo-remote test setup jars lock clean bench
+.PHONY: demo demo-remote test setup jars lock clean bench wheel compat
 
 setup: $(STAMP) $(PETA_STAMP) jars
 
@@ -62,10 +62,35 @@ demo-remote: setup
 bench: setup
 	$(BIN)/python benchmarks/build_bench.py
 
+# The wheel (and the --py-files zip) in dist/: `userwise ship`.
+wheel: $(STAMP)
+	$(BIN)/userwise ship
+
+# The loader against the oldest versions the metadata admits, outside the suite: the built
+# wheel with the [loader] extra in a fresh .venv-compat (no Spark), every requirement of the
+# core and the loader at its floor in pyproject.toml (torch 2.6, pyarrow 16, numpy 2.0,
+# numba 0.60, ...), pytest and psutil at the lock's versions; then tests/loader. No sdist is
+# built (--no-build). COMPAT_VERSIONS=lock installs the lock's versions instead, e.g. on the
+# newest supported Python: make compat COMPAT_VERSIONS=lock COMPAT_PY=python3.13
+COMPAT := .venv-compat
+COMPAT_PY ?= $(PY)
+COMPAT_VERSIONS ?= floors
+compat: wheel
+	rm -rf $(COMPAT)
+	$(COMPAT_PY) -m venv --without-pip $(COMPAT)
+	$(BIN)/python -m tests.support.metadata $(COMPAT_VERSIONS) --extra loader --locked pytest psutil > $(COMPAT)/constraints.txt
+	$(BIN)/uv pip install -q --no-build --python $(COMPAT)/bin/python -c $(COMPAT)/constraints.txt \
+		"$$(ls dist/userwise-*.whl)[loader]" pytest psutil
+	$(COMPAT)/bin/python -I -c "import importlib.util as u, importlib.metadata as m, sys; \
+		assert u.find_spec('pyspark') is None, 'pyspark in $(COMPAT)'; \
+		print('compat:', sys.version.split()[0], *(f'{n}=={m.version(n)}' for n in \
+		('userwise', 'torch', 'pyarrow', 'numpy', 'numba', 'pyyaml', 'xxhash', 'fsspec')))"
+	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/loader -m "not spark"
+
 # Regenerate the lock files after changing pyproject.toml.
 lock: $(STAMP)
 	$(BIN)/uv pip compile -q --python $(BIN)/python --extra all pyproject.toml -o requirements.lock
 	$(BIN)/uv pip compile -q --python $(PETA)/bin/python requirements-petastorm.in -o requirements-petastorm.lock
 
 clean:
-	rm -rf $(VENV) $(PETA) $(DEMO) .pytest_cache
+	rm -rf $(VENV) $(PETA) $(COMPAT) $(DEMO) .pytest_cache
