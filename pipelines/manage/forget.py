@@ -22,7 +22,8 @@ string column). The CLI holds ``D``'s exclusive lock throughout. In order:
    rewritten without the users' rows by preshard's own writer (same codec, dictionary,
    page checksums, GDS side file; each remaining row group stays a row group), and whose
    manifest has the new rows, bytes, checksums and per-set balance; then two renames swap
-   it in (as ``publish`` does). Shards keep their rank: a rank that lost a user's samples
+   it in (as ``publish`` does; on an object store the changed objects are copied in, the
+   manifest and marker last: ``storage.swap_in``). Shards keep their rank: a rank that lost a user's samples
    has that much less work, the loader still gives every rank the same number of
    batches, and a re-preshard balances the set afresh. A published set's marker
    (``_PUBLISHED.json``) and the build folder's record of it get the new manifest
@@ -163,8 +164,10 @@ def find_sets(root: str) -> list[str]:
                 continue
             dirs.remove(d)
             full, base = storage.join(dirpath, d), storage.join(dirpath, m.group(1))
-            if m.group(2) == "new" and not storage.exists(base) and storage.exists(storage.join(full, mf.MANIFEST)):
-                storage.rename(full, base)  # the swap's second rename
+            if m.group(2) == "new" and storage.exists(storage.join(full, mf.MANIFEST)) and (
+                    not storage.exists(base) or not storage.renames_folders(base)):
+                # the swap's second rename; on an object store the copy in, completed
+                storage.swap_in(full, base, f"{base}.forget-old-{os.getpid()}", last=(mf.MANIFEST, MARKER))
                 if m.group(1) not in dirs:
                     dirs.append(m.group(1))
             else:
@@ -260,9 +263,7 @@ def rewrite_set(root: str, users: pa.Array) -> dict | None:
             rec["shards"].update(manifest_sha256=sha, rows=sum(int(e["rows"]) for e in m["shards"]))
         rec["forgotten_at"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         state.write_json(marker, rec)  # a new file: the old set's marker (same inode until now) is kept
-    storage.rename(root, old)
-    storage.rename(new, root)
-    storage.rmtree(old)
+    storage.swap_in(new, root, old, last=(mf.MANIFEST, MARKER))
     return {"root": root, "files_rewritten": len(hit), "rows_removed": removed, "manifest_sha256": sha}
 
 

@@ -247,10 +247,15 @@ def _unless_missing(fs: pafs.FileSystem, p: str, op) -> None:
 
 
 def copy_file(src: str, dst: str) -> None:
-    """Copy one file (a stream through this process: stores have no server-side copy here)."""
+    """Copy one file: on one object store a server-side copy (S3's CopyObject: no byte passes
+    through this process), else a stream through this process."""
     fs, p = filesystem(src)
     fd, q = filesystem(dst)
     fd.create_dir(posixpath.dirname(q), recursive=True)
+    if not renames_folders(src) and not renames_folders(dst) and urlsplit(str(src)).netloc == \
+            urlsplit(str(dst)).netloc and type(fs) is type(fd):
+        fs.copy_file(p, q)
+        return
     with fs.open_input_stream(p) as i, fd.open_output_stream(q) as o:
         while b := i.read(8 << 20):
             o.write(b)
@@ -272,7 +277,8 @@ def read_bytes(url: str) -> bytes | None:
 
 def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that readers see the old file or the whole new one: a temporary
-    file next to it, then one rename (local: after fsync)."""
+    file next to it, then one rename (local: after fsync); on an object store one PUT, which
+    readers see whole or not at all."""
     if is_local(url):
         p = local_path(url)
         os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -285,6 +291,10 @@ def write_bytes(url: str, data: bytes) -> None:
         return
     fs, p = filesystem(url)
     fs.create_dir(posixpath.dirname(p), recursive=True)
+    if not renames_folders(url):
+        with fs.open_output_stream(p) as fh:
+            fh.write(data)
+        return
     tmp = f"{posixpath.dirname(p)}/.{posixpath.basename(p)}.tmp-{os.getpid()}"
     with fs.open_output_stream(tmp) as fh:
         fh.write(data)
@@ -439,6 +449,50 @@ def touch(url: str) -> None:
     if data is not None:
         with fs.open_output_stream(p) as fh:
             fh.write(data)
+
+
+_RENAMING = ("hdfs", "webhdfs", "swebhdfs", "viewfs")
+
+
+def renames_folders(url: str) -> bool:
+    """Whether the store renames a folder in one operation: a local or POSIX shared filesystem,
+    HDFS. Object stores (S3, GCS, ...) have no folder rename (a "move" copies every object)."""
+    return is_local(url) or urlsplit(str(url)).scheme in _RENAMING
+
+
+def swap_in(src: str, dst: str, old: str, last: tuple[str, ...] = ()) -> None:
+    """Put the folder ``src`` in the place of ``dst`` (which may not exist), and remove ``src``.
+
+    Where folders rename (:func:`renames_folders`): ``dst`` is renamed to ``old``, ``src`` to
+    ``dst``, then ``old`` is removed: two renames, readers see the old folder or the new one.
+    On an object store: the files ``last`` (names relative to the folder, e.g. the manifest and
+    a publish marker) of ``dst`` are deleted first, so readers that key on them see no folder
+    until it is whole; every other file of ``src`` is copied in (server-side), then ``last`` in
+    their order; files of ``dst`` that ``src`` lacks are deleted and ``src`` is removed. A run
+    killed half-way is completed by the same call (``src`` is removed last)."""
+    if renames_folders(dst):
+        if exists(dst):
+            rename(dst, old)
+        if not rename(src, dst):
+            raise OSError(f"{src}: could not move it to {dst}")
+        try:
+            rmtree(old)
+        except OSError:  # left for the caller's next run to remove
+            pass
+        return
+    fs, s_root = filesystem(src)
+    _, d_root = filesystem(dst)
+    for name in last:
+        _unless_missing(fs, f"{d_root}/{name}", fs.delete_file)
+    files = [i.path[len(s_root) + 1:] for i in fs.get_file_info(pafs.FileSelector(s_root, recursive=True))
+             if i.type == pafs.FileType.File]
+    for rel in sorted(files, key=lambda r: (r in last, last.index(r) if r in last else 0, r)):
+        copy_file(join(src, rel), join(dst, rel))
+    keep = set(files)
+    for i in fs.get_file_info(pafs.FileSelector(d_root, recursive=True, allow_not_found=True)):
+        if i.type == pafs.FileType.File and i.path[len(d_root) + 1:] not in keep:
+            fs.delete_file(i.path)
+    rmtree(src)
 
 
 def rename(src: str, dst: str) -> bool:

@@ -27,9 +27,13 @@ has shards, the set's manifest still has the recorded checksum.
 Why the staging folder: a retried or forced preshard never writes into a set
 that readers may be using; the swap is two renames on a local or POSIX
 shared filesystem and on HDFS (a folder rename is one name node operation).
-``S`` and ``D`` may be URLs (``pipelines/runtime/storage.py``). (On an object
-store, where a folder rename is a copy, rely on the marker: readers must only
-read sets whose ``_PUBLISHED.json`` exists.)
+``S`` and ``D`` may be URLs (``pipelines/runtime/storage.py``). An object store
+(S3, GCS) has no folder rename, and publish relies on none there
+(:func:`storage.swap_in`): the old set's marker and manifest are deleted first,
+the staged objects are copied in server-side, the manifest and the marker last,
+then the day's record. Readers key on those single-object writes: a set is
+published when its marker and the record exist and the manifest has the recorded
+checksum, and ``stage`` checks every file against that manifest.
 
     userwise publish --build-dir D --shards S --date 2026-01-04 [--window-days N]
     userwise publish --build-dir D --shards S --kind pretrain --as-of 2026-02-01
@@ -128,12 +132,10 @@ def move_into_place(staging: str, final: str) -> str:
         _prune(staging, man)
         mf.verify(staging, checksums=True)
         fs.create_dir(parent, recursive=True)
-        old = f"{final}.old-{os.getpid()}"
-        if storage.exists(final):
-            storage.rename(final, old)
-        if not storage.rename(staging, final):
-            raise ShardError(f"{staging}: could not move the staged set to {final}; publish again")
-        _rmtree(old)
+        try:
+            storage.swap_in(staging, final, f"{final}.old-{os.getpid()}", last=(mf.MANIFEST, MARKER))
+        except OSError as e:
+            raise ShardError(f"{staging}: could not move the staged set to {final} ({e}); publish again") from None
     elif not storage.exists(storage.join(final, mf.MANIFEST)):
         raise ShardError(f"{staging}: no staged shard set and none published at {final}; "
                          "run `userwise preshard --output " + staging + "` first")
