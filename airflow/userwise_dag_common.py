@@ -154,7 +154,7 @@ def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: d
     for k in ("pretrain_days", "window_days", "nodes", "ranks_per_node"):
         out[k] = int(out[k])
     if out["jars"] == "auto":
-        out["jars"] = _auto_jars()
+        out["jars"] = _auto_jars(out["input"], out["actions"], out["output"], out["shards"], out["config"])
     for k in ("jars", "py_files", "actions"):
         out[k] = out[k] or ""  # "" renders to no --jars / --py-files flag
     conf = {str(k): str(v) for k, v in (file_cfg.get("spark_conf") or {}).items()}
@@ -186,12 +186,13 @@ def day_published(st: dict) -> bool:
     return published.read(st["output"], "incremental", st["date"]) is not None
 
 
-def _auto_jars() -> str | None:
+def _auto_jars(*paths) -> str | None:
+    """Delta's jars from the cache, and the S3 connector's when a path is on S3."""
     try:
         from userwise.pipelines.runtime import jars
     except ImportError:
         return None
-    got = jars.cached_jars()
+    got = jars.for_paths(*paths)
     return ",".join(got) if got else None
 
 
