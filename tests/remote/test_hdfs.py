@@ -16,9 +16,7 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
-import yaml
 
-from tests.support import edgegen
 from tests.support.uwchain import shard_rows, table_rows
 from userwise.pipelines import cli
 from userwise.pipelines.records import state
@@ -43,14 +41,6 @@ def store(tmp_path_factory):
         os.environ.pop(storage.WEBHDFS_ENV, None)
     else:
         os.environ[storage.WEBHDFS_ENV] = old
-
-
-@pytest.fixture(scope="module")
-def log(tmp_path_factory):
-    lg = edgegen.make_lean(tmp_path_factory.mktemp("edge"), actions=True)
-    cfg = tmp_path_factory.mktemp("cfg") / "config.yaml"
-    cfg.write_text(yaml.safe_dump(lg.config))
-    return lg, str(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from userwise.pipelines.runtime import delta_io, jars, storage
-from userwise.pipelines.tools.s3_store import S3Store
 
 pytestmark = pytest.mark.slow
 
@@ -61,18 +60,8 @@ JOB = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    log = tmp_path_factory.mktemp("s3") / "s3-store.log"
-    s = S3Store(buckets=(BUCKET,), log=log).start()
-    saved = {k: os.environ.get(k) for k in s.env()}
-    os.environ.update(s.env())
-    yield s
-    s.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def store(s3_store):
+    return s3_store
 
 
 @pytest.fixture(scope="module")
