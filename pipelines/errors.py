@@ -1,5 +1,7 @@
 """Errors a user can act on. The CLI prints them as one line, no stack trace."""
 
+import re
+
 
 class UserwiseError(Exception):
     """Base class: the message says what is wrong and how to fix it."""
@@ -62,8 +64,17 @@ def _spark_message(exc: BaseException) -> str:
             text = java.getMessage() or text
         except Exception:  # the JVM may be gone
             pass
+    first = None
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith(("at ", "JVM stacktrace", "Traceback", "An error occurred")):
-            return line[:400]
-    return type(exc).__name__
+            first = line.removesuffix("Traceback (most recent call last):").strip()
+            break
+    # a Python worker's exception (an executor's missing module, say): its traceback's last line says what
+    raised = [ln for ln in text.splitlines() if _RAISED.match(ln)] if "Traceback (most recent call last)" in text else []
+    if first and raised:
+        return f"{first.rstrip(':')}: {raised[-1].strip()}"[:400]
+    return first[:400] if first else type(exc).__name__
+
+
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)(: |$)")

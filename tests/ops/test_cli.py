@@ -157,6 +157,13 @@ def test_exit_codes_tell_a_user_error_from_a_failed_spark_job_and_a_bug():
     code, line = one_line(AnalysisException("[PATH_NOT_FOUND] gone"), "/tmp/spark.log")
     assert code == console.EXIT_SPARK == 3 and line.startswith("Spark failed: [PATH_NOT_FOUND] gone")
     assert "/tmp/spark.log" in line
+    worker = AnalysisException(
+        "[PYTHON_EXCEPTION] An exception was thrown from the Python worker: Traceback (most recent call last):\n"
+        '  File "worker.py", line 1, in read_command\n    command = loads(obj)\n'
+        "ModuleNotFoundError: No module named 'pyarrow'\n SQLSTATE: 38000")
+    code, line = one_line(worker)
+    assert code == 3 and line.startswith("Spark failed: [PYTHON_EXCEPTION] An exception was thrown from the Python "
+                                         "worker: ModuleNotFoundError: No module named 'pyarrow'"), line
     assert one_line(ZeroDivisionError("x"))[0] == console.EXIT_INTERNAL == 1
     assert one_line(OSError(28, "No space left", "/nvme/x"))[0] == 2
 
