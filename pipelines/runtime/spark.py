@@ -133,6 +133,11 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     cluster = not submitted and not local
     if cluster:
         refuse_unshippable(effective)
+    settings = {**(conf or {}), **CLI_CONF}
+    if not submitted and settings.get("spark.pyspark.python"):
+        # spark-submit turns this setting into the executors' Python; a JVM started from here does
+        # not, and PySpark takes it from PYSPARK_PYTHON alone (else `python3`)
+        os.environ["PYSPARK_PYTHON"] = settings["spark.pyspark.python"]
     if local:
         # Python workers must run the interpreter that has our dependencies, not `python3`.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -156,7 +161,7 @@ def get_spark(master: str | None = None, app: str = "userwise", ui: bool | None 
     if not submitted:
         # Under spark-submit the jars come with --jars/--packages; here we add them.
         b = b.config("spark.jars", ",".join(jars.ensure()))
-    for k, v in {**(conf or {}), **CLI_CONF}.items():
+    for k, v in settings.items():
         b = b.config(k, v)
     if LOG_PATH:
         _launch_jvm_logging_to(LOG_PATH, b)

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from userwise.pipelines import console
@@ -158,16 +159,16 @@ def est_bytes_arrow(t: pa.Table) -> np.ndarray:
     for f in t.schema:
         c = t.column(f.name)
         if pa.types.is_list(f.type):
-            lens = pa.compute.list_value_length(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            lens = pc.list_value_length(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
             if pa.types.is_string(f.type.value_type):
-                flat = pa.compute.list_flatten(c)
-                sl = pa.compute.utf8_length(flat).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+                flat = pc.list_flatten(c)
+                sl = pc.utf8_length(flat).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
                 owner = np.repeat(np.arange(t.num_rows), lens)
                 est += np.bincount(owner, weights=sl + 4, minlength=t.num_rows).astype(np.int64)
             else:
                 est += lens * width(f.type.value_type)
         elif pa.types.is_string(f.type):
-            est += pa.compute.utf8_length(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) + 4
+            est += pc.utf8_length(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) + 4
         else:
             est += width(f.type)
     return est

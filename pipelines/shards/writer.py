@@ -16,6 +16,7 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -156,8 +157,8 @@ class ShardWriter:
         self.writer.write_table(t, row_group_size=t.num_rows)
         self.row_groups += 1
         self.rows += t.num_rows
-        imps = pa.compute.sum(t.column("num_impressions")).as_py() or 0
-        cost = pa.compute.sum(t.column("cost")).as_py() or 0
+        imps = pc.sum(t.column("num_impressions")).as_py() or 0
+        cost = pc.sum(t.column("cost")).as_py() or 0
         self.imps += imps
         self.cost += cost
         self.events += cost - imps

@@ -1,8 +1,10 @@
 """spark-submit beyond local mode: a loopback standalone cluster (master + 2 worker JVMs).
 
-Driver and executors use a Python that has the third-party packages but not
-``userwise`` (``standalone.isolated_python``): the project imports only from
-the zip shipped with ``--py-files``. The cluster is stopped afterwards.
+The executors' Python has pyarrow and numpy alone (``standalone.bare_python``): the project
+imports there only from the zip shipped with ``--py-files``, or from the one a command ships
+itself (``userwise preshard --master spark://...``, whose writer runs on the executors). The
+submitted driver uses a Python that has the third-party packages but not ``userwise``
+(``standalone.isolated_python``). The cluster is stopped afterwards.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
-from tests.support.standalone import Cluster, isolated_python, spark_submit
+from tests.support.standalone import Cluster, bare_python, isolated_python, spark_submit
 from tests.support.uwchain import DAYS, ROOT, TABLES, fast_session_conf, submit_conf_args, synth, table_digest
 from userwise.pipelines.runtime import jars, ship
 
@@ -33,7 +36,8 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
     d = tmp_path_factory.mktemp("ship")
-    return {"zip": str(ship.build(d / "dist")), "python": isolated_python(d / "iso")}
+    return {"zip": str(ship.build(d / "dist")), "python": isolated_python(d / "iso"),
+            "executor_python": bare_python(d / "bare")}
 
 
 def submit(cluster, shipped, job, *args, tmp):
@@ -45,7 +49,8 @@ def submit(cluster, shipped, job, *args, tmp):
     env.update(PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py, PYTHONFAULTHANDLER="1")
     cmd = [spark_submit(), "--master", cluster.master_url, "--py-files", shipped["zip"],
            "--jars", ",".join(jars.ensure()), "--conf", "spark.executor.memory=768m",
-           "--conf", "spark.driver.memory=1g", "--conf", f"spark.pyspark.python={py}",
+           "--conf", "spark.driver.memory=1g", "--conf", f"spark.pyspark.python={shipped['executor_python']}",
+           "--conf", f"spark.pyspark.driver.python={py}",
            *submit_conf_args(), str(ROOT / "jobs" / f"{job}.py"), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
     if r.returncode != 0:  # keep everything for the post-mortem, show its ends
@@ -101,3 +106,43 @@ def test_a_build_through_spark_submit_on_the_cluster_equals_local_mode(cluster, 
     tables = table_digest(out)
     assert set(tables) == set(TABLES)
     assert tables == table_digest(local)
+
+
+def test_preshard_given_the_cluster_s_master_ships_itself_to_executors_without_userwise(
+        cluster, shipped, spark, tmp_path):
+    """``userwise preshard --master spark://...`` from the project's environment: its writer runs
+    in the executors' bare Python (pyarrow and numpy alone), importing userwise from the zip
+    the command shipped itself (``ship.installed_zip``). The set equals a local preshard's, byte
+    for byte (the manifest's checksums)."""
+    import sys
+
+    from tests.builder.test_roundtrip import run_cli
+    from userwise.pipelines.shards import manifest as mf
+
+    data = synth(tmp_path / "synth", days=2)
+    build = tmp_path / "D"
+    restore = fast_session_conf(spark)
+    try:
+        rc, err = run_cli(["build", "--config", str(data / "config.yaml"), "--input", str(data / "lean"),
+                           "--as-of", DAYS[2], "--incremental-days", "1", "--build-dir", str(build)])
+        assert rc == 0, err
+        rc, err = run_cli(["preshard", "--build-dir", str(build), "--shards", str(tmp_path / "local"),
+                           "--nodes", "2", "--ranks-per-node", "1"])
+        assert rc == 0, err
+    finally:
+        restore()
+    before = len(cluster.state().get("completedapps", []))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_HOME", "PYSPARK_PYTHON")}
+    r = subprocess.run([sys.executable, "-m", "userwise.pipelines.cli", "preshard", "--build-dir", str(build),
+                        "--shards", str(tmp_path / "remote"), "--nodes", "2", "--ranks-per-node", "1",
+                        "--master", cluster.master_url, "--conf", f"spark.pyspark.python={shipped['executor_python']}",
+                        "--conf", "spark.executor.memory=768m", *submit_conf_args()],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    end = time.monotonic() + 60  # the master counts an application completed once its driver is gone
+    while len(cluster.state().get("completedapps", [])) == before and time.monotonic() < end:
+        time.sleep(0.5)
+    assert len(cluster.state().get("completedapps", [])) == before + 1  # it ran on the cluster
+    local, remote = mf.load(str(tmp_path / "local")), mf.load(str(tmp_path / "remote"))
+    assert remote["shards"] and [(s["path"], s["sha256"]) for s in remote["shards"]] == \
+        [(s["path"], s["sha256"]) for s in local["shards"]]

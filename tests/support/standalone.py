@@ -181,3 +181,19 @@ def isolated_python(dest: Path) -> str:
         ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
         (dest / "lib" / ver / "site-packages" / "_userwise_deps.pth").write_text(site + "\n")
     return str(py)
+
+
+def bare_python(dest: Path, packages: tuple[str, ...] = ("pyarrow", "numpy")) -> str:
+    """A Python for executors with ``packages`` alone (at this environment's versions): no
+    ``userwise``, no yaml, no pandas, no pyspark beyond what Spark itself puts on a Python
+    worker's path. A venv made by uv (the project's own installer), the wheels from its cache."""
+    from importlib import metadata
+
+    dest = Path(dest)
+    py = dest / "bin" / "python"
+    if not py.exists():
+        uv = Path(sys.executable).parent / "uv"
+        subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(dest)], check=True)
+        subprocess.run([str(uv), "pip", "install", "-q", "--python", str(py),
+                        *(f"{p}=={metadata.version(p)}" for p in packages)], check=True)
+    return str(py)
