@@ -144,7 +144,10 @@ def arrow_filesystem(path: str):
     elif path.startswith("file://"):
         _, root = pafs.FileSystem.from_uri(path)
     elif path.split("://", 1)[0] in ("s3", "s3a", "s3n"):
-        fs, root = storage.filesystem(path)
+        try:
+            fs, root = storage.filesystem(path)
+        except storage.StorageError:  # pyarrow cannot reach the bucket: delta-rs' own filesystem
+            return None
         return pafs.SubTreeFileSystem(root, fs)
     else:
         return None

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from userwise.pipelines.builder import inputs
-from userwise.pipelines.runtime import delta_io
+from userwise.pipelines.runtime import delta_io, storage
 
 
 @pytest.fixture()
@@ -81,7 +81,18 @@ def test_arrow_filesystem_roots(tmp_path, monkeypatch):
     assert rel.base_path.rstrip("/") == str(tmp_path / "t")
     uri = delta_io.arrow_filesystem(f"file://{tmp_path}/t")
     assert isinstance(uri, pafs.SubTreeFileSystem) and uri.base_path.rstrip("/") == str(tmp_path / "t")
-    # object stores keep delta-rs' own filesystem (None), with the credentials delta-rs resolves
+    # S3 goes through pyarrow's S3 (an endpoint given: made without a request; reads in
+    # tests/remote/test_s3_store.py); one pyarrow cannot open, and other object stores, keep
+    # delta-rs' own filesystem (None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    s3 = delta_io.arrow_filesystem("s3a://bucket/t")
+    assert isinstance(s3, pafs.SubTreeFileSystem) and isinstance(s3.base_fs, pafs.S3FileSystem)
+    assert s3.base_path.rstrip("/") == "bucket/t"
+
+    def unreachable(url):
+        raise storage.StorageError(f"{url}: cannot open this location")
+
+    monkeypatch.setattr(storage, "filesystem", unreachable)
     assert delta_io.arrow_filesystem("s3://bucket/t") is None
     assert delta_io.arrow_filesystem("nosuchscheme://bucket/t") is None
 
