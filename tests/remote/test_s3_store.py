@@ -1,87 +1,31 @@
-"""The stack on an S3 API (moto's server on loopback, pipelines/tools/s3_store.py): Spark and
-Delta write a table to s3a:// through hadoop-aws and the AWS SDK modules of the S3 jar set
-(no SDK bundle) and read it back; pyarrow's S3 and delta-rs read the same files; a folder
-rename on S3A; storage.create_exclusive's conditional write under racing writers; the store
-going away and coming back; the server ending with the process that started it.
-
-The suite's shared Spark session has neither the S3 jars nor the settings: the Spark part
-runs in a process of its own (one JVM for the module).
-"""
+"""The S3 store on loopback itself (moto's server, pipelines/tools/s3_store.py): the connector's
+jar set (no SDK bundle, no second copy of a Spark jar); storage.create_exclusive's conditional
+write under racing writers; the store listening on loopback only, going away and coming back,
+and ending with the process that started it. The data path on it: tests/remote/test_s3.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import pytest
 
-from userwise.pipelines.runtime import delta_io, jars, storage
+from userwise.pipelines.runtime import jars, storage
 
 pytestmark = pytest.mark.slow
 
 BUCKET = "userwise-test"
-ROWS = 100  # per write; the table gets two (a create and an append)
-
-# One Spark session on the store: a Delta table (partitioned, two commits) read back, a Parquet
-# folder written by Spark's file committer (its commits rename: copies on S3A), then renamed as a
-# whole with Hadoop's FileSystem API (as a published folder would be).
-JOB = textwrap.dedent('''
-    import json, sys
-    from userwise.pipelines.runtime.spark import get_spark
-    from pyspark.sql import functions as F
-
-    conf, base, rows = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    spark = get_spark(master="local[2]", app="s3-store-test", ui=False, conf=conf)
-    df = spark.range(0, rows, 1, 1).withColumn("g", F.col("id") % 3)
-    df.write.format("delta").partitionBy("g").save(f"{base}/t")
-    df.write.format("delta").mode("append").save(f"{base}/t")
-    back = spark.read.format("delta").load(f"{base}/t")
-    out = {"rows": back.count(), "sum": back.agg(F.sum("id")).first()[0]}
-    df.write.parquet(f"{base}/pq")
-    Path = spark._jvm.org.apache.hadoop.fs.Path
-    src = Path(f"{base}/pq")
-    fs = src.getFileSystem(spark._jsc.hadoopConfiguration())
-    out["fs"] = fs.getClass().getName()
-    out["renamed"] = bool(fs.rename(src, Path(f"{base}/published")))
-    out["published_rows"] = spark.read.parquet(f"{base}/published").count()
-    print("RESULT " + json.dumps(out), flush=True)
-    spark.stop()
-''')
 
 
 @pytest.fixture(scope="module")
 def store(s3_store):
     return s3_store
-
-
-@pytest.fixture(scope="module")
-def written(store, tmp_path_factory):
-    """The Spark job's result (one JVM): its tables are under ``s3a://BUCKET/w``."""
-    d = tmp_path_factory.mktemp("s3job")
-    job = d / "job.py"
-    job.write_text(JOB)
-    conf = {**store.spark_conf(), "spark.sql.shuffle.partitions": "2",
-            "spark.databricks.delta.snapshotPartitions": "1", "spark.default.parallelism": "2",
-            "spark.driver.memory": "1g"}
-    env = {**os.environ, **store.env(), "USERWISE_LOG_DIR": str(d)}
-    r = subprocess.run([sys.executable, str(job), json.dumps(conf), store.url(BUCKET, "w"), str(ROWS)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if r.returncode != 0 or line is None:
-        logs = sorted(str(p) for p in d.glob("spark-*.log"))
-        pytest.fail(f"the Spark job on S3 exited {r.returncode}; Spark's log: {logs}; store log: {store.log}\n"
-                    f"--- stdout:\n{r.stdout[-3000:]}\n--- stderr:\n{r.stderr[-5000:]}")
-    return json.loads(line[len("RESULT "):])
 
 
 def test_the_s3_jar_set_has_no_sdk_bundle_and_no_second_copy_of_a_spark_jar():
@@ -103,56 +47,6 @@ def test_the_s3_jar_set_has_no_sdk_bundle_and_no_second_copy_of_a_spark_jar():
     spark_jars = {artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
     assert not {artifact(n) for n in names} & spark_jars
     assert sum(os.path.getsize(p) for p in got) < 30 << 20  # against 686 MB for the bundle
-
-
-@pytest.mark.spark
-def test_spark_writes_a_delta_table_to_s3a_and_reads_it_back(written):
-    assert written["fs"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
-    assert written["rows"] == 2 * ROWS
-    assert written["sum"] == 2 * sum(range(ROWS))
-
-
-@pytest.mark.spark
-def test_pyarrow_lists_and_reads_the_tables_files(store, written):
-    url = store.url(BUCKET, "w/t")
-    fs, root = storage.filesystem(url)
-    assert isinstance(fs, pafs.S3FileSystem) and root == f"{BUCKET}/w/t"
-    files = [i for i in fs.get_file_info(pafs.FileSelector(root, recursive=True)) if i.type == pafs.FileType.File]
-    rel = sorted(i.path[len(root) + 1:] for i in files)
-    assert "_delta_log/00000000000000000000.json" in rel and "_delta_log/00000000000000000001.json" in rel
-    data = [r for r in rel if r.endswith(".parquet")]
-    assert {r.split("/")[0] for r in data} == {"g=0", "g=1", "g=2"}
-    assert sorted(storage.listdir(url)) == ["_delta_log", "g=0", "g=1", "g=2"]
-    assert sum(pq.read_table(f"{root}/{r}", filesystem=fs).num_rows for r in data) == 2 * ROWS
-    commit = [json.loads(x) for x in storage.read_bytes(f"{url}/_delta_log/00000000000000000001.json").splitlines()]
-    assert any("commitInfo" in a and a["commitInfo"]["operation"] == "WRITE" for a in commit)
-    assert storage.du(url) == sum(i.size for i in files if i.path.endswith(".parquet"))
-
-
-@pytest.mark.spark
-def test_delta_rs_reads_the_version_files_and_rows(store, written):
-    from deltalake import DeltaTable
-
-    url = store.url(BUCKET, "w/t")
-    assert delta_io.version(None, url) == 1
-    t = DeltaTable(url)
-    uris = t.file_uris()
-    assert len(uris) >= 3 and all(u.startswith(f"s3a://{BUCKET}/w/t/g=") for u in uris)
-    sizes = [storage.info(u).size for u in uris]
-    assert delta_io.table_bytes(url) == sum(sizes) > 0
-    assert delta_io.table_bytes(url, version=0) < sum(sizes)
-    assert isinstance(delta_io.arrow_filesystem(url), pafs.SubTreeFileSystem)  # bytes through pyarrow's S3
-    tbl = delta_io.dataset(url).to_table()
-    assert tbl.num_rows == 2 * ROWS and sum(tbl.column("id").to_pylist()) == 2 * sum(range(ROWS))
-    assert delta_io.least(url, "g") == 0
-
-
-@pytest.mark.spark
-def test_a_folder_renamed_on_s3a_keeps_every_file_and_leaves_no_source(store, written):
-    assert written["renamed"] and written["published_rows"] == ROWS
-    assert not storage.exists(store.url(BUCKET, "w/pq"))
-    names = storage.listdir(store.url(BUCKET, "w/published"))
-    assert "_SUCCESS" in names and [n for n in names if n.startswith("part-")]
 
 
 def test_racing_exclusive_creates_on_s3_have_exactly_one_winner(store):

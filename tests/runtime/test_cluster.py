@@ -78,38 +78,44 @@ def test_cluster_runs_two_workers_and_executors_import_the_shipped_zip(cluster, 
     assert any(a["name"] == "userwise-probe" for a in apps)
 
 
-def test_a_build_through_spark_submit_on_the_cluster_equals_local_mode(cluster, shipped, spark, tmp_path):
-    """One range build (a pretrain set and a one-day window) through the cluster; its tables
-    equal the same build's in local mode. The point is the Delta jobs on executors that
-    import only the shipped zip (the daily jobs through spark-submit run in the DAG test).
-    """
+@pytest.fixture(scope="module")
+def builds(cluster, shipped, spark, tmp_path_factory):
+    """One range build (a pretrain set and a one-day window) through the cluster, and the same
+    build in local mode, in-process on the shared session: (cluster's folder, its report,
+    whether it ran on the cluster, the local folder)."""
     from tests.builder.test_roundtrip import run_cli
 
-    data = synth(tmp_path / "synth", days=2)
+    tmp = tmp_path_factory.mktemp("builds")
+    data = synth(tmp / "synth", days=2)
     args = ["--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--as-of", DAYS[2],
             "--pretrain-days", "1", "--window-days", "1"]
-    out = tmp_path / "build"
+    out = tmp / "build"
     before = len(cluster.state().get("completedapps", []))
-    submit(cluster, shipped, "build", *args, "--output", str(out), "--report", str(tmp_path / "r.json"),
-           tmp=tmp_path)
-    got = json.loads((tmp_path / "r.json").read_text())
-    assert got["reconciled"] and got["samples"] > 0 and got["impressions_in_samples"] > 0
-    assert len(cluster.state().get("completedapps", [])) == before + 1  # it ran on the cluster
-    # the same build in local mode, in-process on the shared session
-    local = tmp_path / "local"
+    submit(cluster, shipped, "build", *args, "--output", str(out), "--report", str(tmp / "r.json"), tmp=tmp)
+    on_cluster = len(cluster.state().get("completedapps", [])) == before + 1
+    local = tmp / "local"
     restore = fast_session_conf(spark)
     try:
         rc, err = run_cli(["build", *args, "--output", str(local)])
     finally:
         restore()
     assert rc == 0, err
+    return out, json.loads((tmp / "r.json").read_text()), on_cluster, local
+
+
+def test_a_build_through_spark_submit_on_the_cluster_equals_local_mode(builds):
+    """The cluster's tables equal local mode's. The point is the Delta jobs on executors that
+    import only the shipped zip (the daily jobs through spark-submit run in the DAG test)."""
+    out, got, on_cluster, local = builds
+    assert got["reconciled"] and got["samples"] > 0 and got["impressions_in_samples"] > 0
+    assert on_cluster
     tables = table_digest(out)
     assert set(tables) == set(TABLES)
     assert tables == table_digest(local)
 
 
 def test_preshard_given_the_cluster_s_master_ships_itself_to_executors_without_userwise(
-        cluster, shipped, spark, tmp_path):
+        cluster, shipped, spark, builds, tmp_path):
     """``userwise preshard --master spark://...`` from the project's environment: its writer runs
     in the executors' bare Python (pyarrow and numpy alone), importing userwise from the zip
     the command shipped itself (``ship.installed_zip``). The set equals a local preshard's, byte
@@ -119,13 +125,9 @@ def test_preshard_given_the_cluster_s_master_ships_itself_to_executors_without_u
     from tests.builder.test_roundtrip import run_cli
     from userwise.pipelines.shards import manifest as mf
 
-    data = synth(tmp_path / "synth", days=2)
-    build = tmp_path / "D"
+    build = builds[3]
     restore = fast_session_conf(spark)
     try:
-        rc, err = run_cli(["build", "--config", str(data / "config.yaml"), "--input", str(data / "lean"),
-                           "--as-of", DAYS[2], "--incremental-days", "1", "--build-dir", str(build)])
-        assert rc == 0, err
         rc, err = run_cli(["preshard", "--build-dir", str(build), "--shards", str(tmp_path / "local"),
                            "--nodes", "2", "--ranks-per-node", "1"])
         assert rc == 0, err
