@@ -143,7 +143,7 @@ def arrow_filesystem(path: str):
         root = os.path.abspath(path)
     elif path.startswith("file://"):
         _, root = pafs.FileSystem.from_uri(path)
-    elif path.split("://", 1)[0] in ("s3", "s3a", "s3n"):
+    elif storage.is_s3(path):
         try:
             fs, root = storage.filesystem(path)
         except storage.StorageError:  # pyarrow cannot reach the bucket: delta-rs' own filesystem

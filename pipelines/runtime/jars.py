@@ -114,8 +114,10 @@ def cached_jars() -> list[str] | None:
 def for_paths(*paths: str | None) -> list[str] | None:
     """The cached jars a Spark job over ``paths`` loads: Delta's, and the S3 connector's when a
     path is on S3 (``s3://``, ``s3a://``, ``s3n://``); None when a set it needs is not cached."""
+    from userwise.pipelines.runtime import storage
+
     got = DELTA.cached()
-    if got and any(str(p or "").split("://", 1)[0] in ("s3", "s3a", "s3n") for p in paths if p and "://" in str(p)):
+    if got and any(storage.is_s3(p) for p in paths):
         s3 = S3.cached()
         return got + s3 if s3 else None
     return got

@@ -252,8 +252,7 @@ def copy_file(src: str, dst: str) -> None:
     fs, p = filesystem(src)
     fd, q = filesystem(dst)
     fd.create_dir(posixpath.dirname(q), recursive=True)
-    if not renames_folders(src) and not renames_folders(dst) and urlsplit(str(src)).netloc == \
-            urlsplit(str(dst)).netloc and type(fs) is type(fd):
+    if not renames_folders(src) and urlsplit(str(src)).netloc == urlsplit(str(dst)).netloc and type(fs) is type(fd):
         fs.copy_file(p, q)
         return
     with fs.open_input_stream(p) as i, fd.open_output_stream(q) as o:
@@ -324,7 +323,7 @@ def create_exclusive(url: str, data: bytes) -> bool:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return True
-    if urlsplit(str(url)).scheme in _S3_SCHEMES:
+    if is_s3(url):
         created = _s3_create_once(str(url), data)
         if created is not None:
             return created
@@ -340,6 +339,11 @@ def create_exclusive(url: str, data: bytes) -> bool:
 
 
 _S3_SCHEMES = ("s3", "s3a", "s3n")
+
+
+def is_s3(url) -> bool:
+    """Whether ``url`` names S3 (``s3://``, and Hadoop's ``s3a://`` and ``s3n://``)."""
+    return urlsplit(str(url or "")).scheme in _S3_SCHEMES
 
 
 @functools.lru_cache(maxsize=8)
