@@ -20,7 +20,12 @@ checks, streams, pointers, chunks, history or report. The **checked least
 plan** (``checked_run``, impression and skew sections) adds the checks every
 build owes its input (the product's per-row and cross-row checks, on a shuffle
 by the request key) and the quarantine they fill: the least plan for a build
-that rejects what it must.
+that rejects what it must. The **tables least plan** (``tables_run``) adds
+what the checked plan leaves out of the tables a build writes: the action log
+(read, checked, quarantined), the ``events`` table, and each user's event
+stream collected into the samples. It is a lower bound on the build: the
+build's own work (#40: at most 1.3x the checked least plan) has to fit above
+it.
 
 Sections (``--sections``, default all four):
 
@@ -37,11 +42,13 @@ Sections (``--sections``, default all four):
   local Spark's cores: one core's time, comparable to Spark's sort-merge
   as-of join, about 5 µs per row on one core in apache/spark
   ``sql/core/benchmarks/AsOfJoinBenchmark-results.txt``). Target: build slope
-  at most 4x the floor's, and build at most 4x the floor at the largest size.
-  Each build's steps (ingest, sample sets, history, report) are timed by
+  at most 4x the floor's, and build at most 4x the floor at the largest size;
+  and (#40) the build at most 1.3x the checked least plan at the largest size,
+  the tables least plan beside it. Each build's steps (ingest, sample sets, history, report) are timed by
   wrapping the names the build module calls (the build code is not changed),
   each under its own job group; with the UI on, their jobs, stages and
-  slowest stages come from the UI's REST API. Bytes (fat, smallest size):
+  slowest stages come from the UI's REST API; their jobs summed are the
+  build's job count, printed beside its time. Bytes (fat, smallest size):
   the fat rows in training order against the samples table, on disk and
   decoded.
 - **skew**: the impression section's logs again without the bot
@@ -366,6 +373,68 @@ def checked_run(spark, cfg, log_path: str, out: str) -> float:
     return time.perf_counter() - t
 
 
+def tables_run(spark, cfg, log: dict, out: str) -> float:
+    """A reference, not a target: the checked least plan plus what it leaves out of the tables
+    a build must write: the action log, the ``events`` table, and the event stream in the
+    samples. The least plan for the build's tables we know of, a lower bound on the build (#40).
+
+    The input's checks and quarantine as in :func:`checked_run`; ``requests`` in the build's
+    own schema (``ingest.requests_frame``: no shuffle, the checks' shuffle clusters it);
+    ``events`` from the product's functions: for lean input the accepted impressions' events
+    and the action log read, checked (its rejects join the quarantine) and turned into events
+    (``ingest.impression_events``, ``ingest.action_log``), for fat rows the distinct events of
+    the requests' snapshots (``fat_rows.fat_events``); ``samples`` holds each user's requests
+    and each user's events, each collected and sorted once (one shuffle of each by user). The
+    build stores a stream per user and sample set (the newest L events before the set plus
+    its own), with pointers, chunks, a history and a report: each only adds to this."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    from userwise.pipelines.builder import ingest
+    from userwise.pipelines.builder.inputs import read_spark
+    from userwise.schemas import EV
+
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    raw = read_spark(spark, log["input"])
+    input_cols = [c for c in raw.columns if c not in ("_file", "_row")]
+    canon = ingest.canonical(cfg, raw, input_cols)
+    layout = canon.layout
+    df = ingest.cross_row_reasons(cfg, canon, ingest.row_reasons(cfg, canon)).persist(StorageLevel.MEMORY_AND_DISK)
+    kept = [df]
+    try:
+        q = ingest.quarantine_rows(df, canon.input_cols, "impressions")
+        accepted = df.where(F.col("_reason").isNull())
+        reqs = ingest.requests_frame(cfg, canon, accepted).persist(StorageLevel.MEMORY_AND_DISK)
+        kept.append(reqs)
+        if layout.fat:
+            from userwise.pipelines.builder.fat_rows import fat_events
+
+            events = fat_events(cfg, layout, reqs)
+        else:
+            events = ingest.impression_events(cfg, canon, accepted)
+        if log.get("actions"):
+            a_raw = read_spark(spark, log["actions"])
+            a_events, a_checked = ingest.action_log(cfg, layout, a_raw)
+            a_cols = tuple(c for c in a_raw.columns if c not in ("_file", "_row"))
+            q = q.unionByName(ingest.quarantine_rows(a_checked, a_cols, "actions"))
+            events = events.unionByName(a_events)
+        events = events.persist(StorageLevel.MEMORY_AND_DISK)  # written, then collected per user
+        kept.append(events)
+        q.write.format("delta").save(os.path.join(out, "quarantine"))
+        reqs.write.format("delta").save(os.path.join(out, "requests"))
+        events.write.format("delta").save(os.path.join(out, "events"))
+        rcols = ["req_time", "req_id", *[c for c in reqs.columns if c not in ("user", "req_time", "req_id")]]
+        ecols = [EV + "ts", *[c for c in events.columns if c not in ("user", EV + "ts")]]
+        r = reqs.groupBy("user").agg(F.sort_array(F.collect_list(F.struct(*rcols))).alias("requests"))
+        e = events.groupBy("user").agg(F.sort_array(F.collect_list(F.struct(*ecols))).alias("stream"))
+        r.join(e, on="user", how="left").write.format("delta").save(os.path.join(out, "samples"))
+    finally:
+        for x in kept:
+            x.unpersist()
+    return time.perf_counter() - t
+
+
 def build_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int, steps: Steps | None = None,
               group: str | None = None) -> tuple[float, dict, int]:
     """One range build, timed; returns (seconds, report, Spark jobs of ``group`` when given)."""
@@ -545,11 +614,12 @@ def series(spark, work: str, args, kind: str, sizes: list[int], bot_share: float
         cfg = C.load(log["cfg_path"])
         as_of = as_of_after(log)
         ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
-        floors, skels, checks, builds, steps = [], [], [], [], None
+        floors, skels, checks, tabs, builds, steps = [], [], [], [], [], None
         for k in range(args.reps):
             floors.append(floor_run(spark, ins, os.path.join(d, "floor")))
             skels.append(skeleton_run(spark, cfg, log["input"], os.path.join(d, "skeleton")))
             checks.append(checked_run(spark, cfg, log["input"], os.path.join(d, "checked")))
+            tabs.append(tables_run(spark, cfg, log, os.path.join(d, "tables")))
             st = Steps(spark, ui)
             st.prefix = f"{label.replace(' ', '-')}-n{n}-r{k}-{next(_groups)}-"
             el, rep, _ = build_run(spark, cfg, log, os.path.join(d, "build"), as_of, args.days - 1, 1, st)
@@ -557,29 +627,34 @@ def series(spark, work: str, args, kind: str, sizes: list[int], bot_share: float
             st.collect()
             if steps is None or el <= min(builds):
                 steps = st
+        jobs = sum(x.get("jobs", 0) for x in steps.summary()) if ui else None
         m = log["impressions"]
         row = {"impressions": m, "target": n, "users": log["users"], "bot_impressions": log["bot_rows"],
                "actions": sum(log["rows"]["actions"].values()) if log["actions"] else 0,
                "floor_s": round(min(floors), 2), "skeleton_s": round(min(skels), 2), "checked_s": round(min(checks), 2),
-               "build_s": round(min(builds), 2),
+               "tables_s": round(min(tabs), 2), "build_s": round(min(builds), 2), "jobs": jobs,
                "floor_all_s": [round(x, 2) for x in floors], "skeleton_all_s": [round(x, 2) for x in skels],
-               "checked_all_s": [round(x, 2) for x in checks],
+               "checked_all_s": [round(x, 2) for x in checks], "tables_all_s": [round(x, 2) for x in tabs],
                "build_all_s": [round(x, 2) for x in builds], "samples": rep["samples"], "requests": rep["requests"],
                "steps": steps.summary()}
         row["ratio"] = round(row["build_s"] / row["floor_s"], 2)
         row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
         row["checked_ratio"] = round(row["checked_s"] / row["floor_s"], 2)
+        row["tables_ratio"] = round(row["tables_s"] / row["floor_s"], 2)
+        row["build_vs_checked"] = round(row["build_s"] / row["checked_s"], 2)
+        row["tables_vs_checked"] = round(row["tables_s"] / row["checked_s"], 2)
         if kind == "fat" and i == 0 and not args.no_bytes:
             row["bytes"] = byte_report(log["input"], os.path.join(d, "build"), d, args.seed)
         rows.append(row)
         print(f"  {label} {m:>9,} impressions (bot {log['bot_rows'] / m:.1%}): floor {row['floor_s']:6.1f} s, "
               f"least plan {row['skeleton_s']:6.1f} s ({row['skeleton_ratio']:.2f}x), checked least plan "
-              f"{row['checked_s']:6.1f} s ({row['checked_ratio']:.2f}x), build {row['build_s']:6.1f} s "
-              f"({row['ratio']:.2f}x floor)", flush=True)
+              f"{row['checked_s']:6.1f} s ({row['checked_ratio']:.2f}x), tables least plan {row['tables_s']:6.1f} s "
+              f"({row['tables_vs_checked']:.2f}x checked), build {row['build_s']:6.1f} s ({row['ratio']:.2f}x floor, "
+              f"{row['build_vs_checked']:.2f}x checked, {jobs} Spark jobs)", flush=True)
         shutil.rmtree(d, ignore_errors=True)
     xs = [r["impressions"] for r in rows]
     res = {"kind": kind, "label": label, "bot_share": bot_share, "days": args.days, "sizes": rows}
-    for key in ("build", "floor", "skeleton", "checked"):
+    for key in ("build", "floor", "skeleton", "checked", "tables"):
         a, b = fit(xs, [r[f"{key}_s"] for r in rows])
         res[f"{key}_us_per_imp"] = round(a * 1e6, 3) if a is not None else None
         res[f"{key}_intercept_s"] = round(b, 2) if b is not None else None
@@ -591,18 +666,25 @@ def series(spark, work: str, args, kind: str, sizes: list[int], bot_share: float
     res["skeleton_total_ratio"] = rows[-1]["skeleton_ratio"]
     res["checked_slope_ratio"] = round(res["checked_us_per_imp"] / fl, 2) if fl else None
     res["checked_total_ratio"] = rows[-1]["checked_ratio"]
+    ck = res["checked_us_per_imp"]
+    res["build_vs_checked_slope"] = round(res["build_us_per_imp"] / ck, 2) if ck else None
+    res["tables_vs_checked_slope"] = round(res["tables_us_per_imp"] / ck, 2) if ck else None
+    res["build_vs_checked_total"] = rows[-1]["build_vs_checked"]
+    res["tables_vs_checked_total"] = rows[-1]["tables_vs_checked"]
     return res
 
 
 def print_series(ss: list[dict], cores: int) -> None:
     print(f"\n{'series':>12} {'impressions':>12} {'bot':>6} {'floor s':>8} {'least s':>8} {'checked s':>9} "
-          f"{'build s':>8} {'build/floor':>11} {'least/floor':>11} {'checked/floor':>13}")
+          f"{'tables s':>8} {'build s':>8} {'jobs':>5} {'build/floor':>11} {'least/floor':>11} {'checked/floor':>13} "
+          f"{'tables/checked':>14} {'build/checked':>13}")
     for s in ss:
         for r in s["sizes"]:
             print(f"{s['label']:>12} {r['impressions']:>12,} {r['bot_impressions'] / r['impressions']:>6.1%} "
-                  f"{r['floor_s']:>8.1f} {r['skeleton_s']:>8.1f} {r['checked_s']:>9.1f} "
-                  f"{r['build_s']:>8.1f} {r['ratio']:>10.2f}x {r['skeleton_ratio']:>10.2f}x "
-                  f"{r['checked_ratio']:>12.2f}x")
+                  f"{r['floor_s']:>8.1f} {r['skeleton_s']:>8.1f} {r['checked_s']:>9.1f} {r.get('tables_s', 0):>8.1f} "
+                  f"{r['build_s']:>8.1f} {r.get('jobs') or 0:>5} {r['ratio']:>10.2f}x {r['skeleton_ratio']:>10.2f}x "
+                  f"{r['checked_ratio']:>12.2f}x {r.get('tables_vs_checked', 0):>13.2f}x "
+                  f"{r.get('build_vs_checked', 0):>12.2f}x")
     print(f"\nslopes (least squares over the sizes), µs per impression on {cores} cores, and core-µs "
           f"(x {cores}; Spark's as-of join: about {AS_OF_JOIN_US:.0f} core-µs per row):")
     print(f"{'series':>12} {'build':>8} {'floor':>8} {'least':>8} {'checked':>8} {'build/floor':>11} "
@@ -630,6 +712,9 @@ def print_series(ss: list[dict], cores: int) -> None:
                   f"{b['mem_samples']:,} -> {b['mem_ratio']}x")
 
 
+OWN_TARGET = 1.3  # #40: the build at most this times the checked least plan
+
+
 def impression_verdicts(ss: list[dict]) -> list[str]:
     out = []
     for s in ss:
@@ -649,6 +734,21 @@ def impression_verdicts(ss: list[dict]) -> list[str]:
             f"total {s['checked_total_ratio']:.2f}x the floor"
             + ("" if ok else " (the target is below the checked least plan: the checks alone exceed it)" if below
                else " (the checked least plan meets the target: the gap is the build's own)")))
+        if "tables_s" not in last:
+            continue
+        # #40: the build's own work on top of the checks, against the tables least plan
+        own_ok = last["build_vs_checked"] <= OWN_TARGET
+        floor_hit = last["tables_vs_checked"] > OWN_TARGET
+        out.append(verdict(
+            f"own work ({s['label']})", own_ok,
+            f"at {last['impressions']:,} impressions build {last['build_s']:.1f} s / checked least plan "
+            f"{last['checked_s']:.1f} s = {last['build_vs_checked']:.2f}x (target <= {OWN_TARGET}x), slope "
+            f"{s['build_vs_checked_slope']:.2f}x; the tables least plan (checked plus the action log, the events "
+            f"table and each user's stream in the samples) {last['tables_s']:.1f} s = {last['tables_vs_checked']:.2f}x the checked plan, slope "
+            f"{s['tables_vs_checked_slope']:.2f}x; {last['jobs']} Spark jobs"
+            + ("" if own_ok else " (the target is below the tables least plan: writing the tables alone exceeds it)"
+               if floor_hit else " (the tables least plan meets the target: the gap is the build's streams, "
+               "pointers, chunks, history and report)")))
     return out
 
 
@@ -757,6 +857,9 @@ def plot(res: dict, path: str) -> None:
         if all("checked_s" in r for r in s["sizes"]):
             a1.plot(xs, [r["checked_s"] for r in s["sizes"]], "^:", color=c, alpha=0.8,
                     label=f"{s['label']} checked least plan ({s['checked_us_per_imp']:.1f} µs/imp)")
+        if all("tables_s" in r for r in s["sizes"]):
+            a1.plot(xs, [r["tables_s"] for r in s["sizes"]], "v-.", color=c, alpha=0.8,
+                    label=f"{s['label']} tables least plan ({s['tables_us_per_imp']:.1f} µs/imp)")
     a1.set_xlabel("impressions (millions)")
     a1.set_ylabel("seconds")
     a1.set_title(f"per impression: build vs floor, {res.get('cores', '?')} cores")
@@ -809,6 +912,7 @@ def warm_up(spark, work: str, args, kinds: list[str]) -> None:
         floor_run(spark, [log["input"]], os.path.join(work, "warm", "floor"))
         skeleton_run(spark, cfg, log["input"], os.path.join(work, "warm", "skel"))
         checked_run(spark, cfg, log["input"], os.path.join(work, "warm", "checked"))
+        tables_run(spark, cfg, log, os.path.join(work, "warm", "tables"))
         build_run(spark, cfg, log, os.path.join(work, "warm", "build"), as_of_after(log), 2, 1)
     shutil.rmtree(os.path.join(work, "warm"), ignore_errors=True)
     print(f"warm-up (not counted): {time.perf_counter() - t:.1f} s", flush=True)

@@ -29,8 +29,11 @@ def test_build_bench_runs_end_to_end_on_a_tiny_log(tmp_path):
     (s,) = res["impression"]["series"]
     (row,) = s["sizes"]
     assert row["impressions"] > 1000 and 0 < row["bot_impressions"] < row["impressions"]
-    for k in ("floor_s", "skeleton_s", "checked_s", "build_s"):
+    for k in ("floor_s", "skeleton_s", "checked_s", "tables_s", "build_s"):
         assert row[k] > 0, k
+    assert row["build_vs_checked"] == round(row["build_s"] / row["checked_s"], 2)
+    assert row["tables_vs_checked"] == round(row["tables_s"] / row["checked_s"], 2)
+    assert row["jobs"] == sum(st["jobs"] for st in row["steps"]) > 0  # the job count beside the time
     assert row["ratio"] == round(row["build_s"] / row["floor_s"], 2)
     assert row["skeleton_ratio"] == round(row["skeleton_s"] / row["floor_s"], 2)
     assert row["checked_ratio"] == round(row["checked_s"] / row["floor_s"], 2)
