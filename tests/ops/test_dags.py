@@ -307,6 +307,7 @@ def test_both_dags_on_hdfs_equal_a_local_run(spark, tmp_path, airflow_home):
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
         r = subprocess.run([sys.executable, "-c", DAG_RUNS % {"folder": str(DAG_FOLDER)}], env=env,
                            capture_output=True, text=True)
+        (tmp_path / "dags.out").write_text(r.stdout + r.stderr)
         assert r.returncode == 0, _why(r, tmp_path / "dags.log")
         remote_d, remote_s = f"{url}/uw/D", f"{url}/uw/S"
         os.environ.update(store.env())  # this process reads the store too
