@@ -841,7 +841,10 @@ def plot(res: dict, path: str) -> None:
     sec = res.get("sections", {})
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8))
     ss, seen = [], set()
-    for k in ("series", "with_bot", "without_bot"):
+    # the impression section's series; the skew section's only where it has none (a skew run
+    # alone): sections from different runs on one axis would compare seconds across runs
+    keys = ("series",) if sec.get("impression", {}).get("series") else ("with_bot", "without_bot")
+    for k in keys:
         for s in sec.get("impression", {}).get(k, []) + sec.get("skew", {}).get(k, []):
             if s["label"] not in seen:  # a skew run alone measures its with-bot series again: one line each
                 seen.add(s["label"])
