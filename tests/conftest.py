@@ -10,14 +10,16 @@ import pytest
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-# Every JVM the suite starts (its Spark session, each `userwise` command's driver, spark-submit
-# and its launcher, the HDFS minicluster, the standalone cluster) runs small jobs for well under
-# a minute, where the optimizing JIT compiler (C2) costs more CPU than it gains: the client
-# compiler alone took a third less CPU. Two tiny builds side by side on two cores, two pairs
-# alternating: 91 / 101 s against 144 / 134 s with both compilers. Production runs keep the JVM's
-# default, which long jobs need. A JVM prints "Picked up JAVA_TOOL_OPTIONS" on its stderr: the
-# CLI's driver writes that to its log file, and no test reads a JVM's raw stderr.
-os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
+# The JVMs the suite starts in subprocesses (each `userwise` command's driver, spark-submit and
+# its launcher, the HDFS minicluster, the standalone cluster) run small jobs for under a minute,
+# where the optimizing JIT compiler (C2) costs more CPU than it gains: the client compiler alone
+# took a third less CPU. Two tiny builds side by side on two cores, two pairs alternating: 91 /
+# 101 s against 144 / 134 s with both compilers. The suite's own Spark session (the fixture
+# below) lives for the whole run and keeps C2: with C1 alone its modules took up to half as long
+# again. Production runs keep the JVM's default. A JVM prints "Picked up JAVA_TOOL_OPTIONS" on
+# its stderr: the CLI's driver writes that to its log file, and no test reads a JVM's raw stderr.
+SHORT_JVM = "-XX:TieredStopAtLevel=1"
+os.environ.setdefault("JAVA_TOOL_OPTIONS", SHORT_JVM)
 
 
 # py4j logs at INFO from __del__ at interpreter exit, after pytest closed its streams.
@@ -37,7 +39,20 @@ def spark(tmp_path_factory):
     from userwise.pipelines.runtime.spark import get_spark
 
     wh = tmp_path_factory.mktemp("warehouse")
-    s = get_spark(
+    short = os.environ.get("JAVA_TOOL_OPTIONS") == SHORT_JVM
+    if short:
+        del os.environ["JAVA_TOOL_OPTIONS"]  # this JVM is long-lived: both compilers
+    try:
+        s = _session(get_spark, wh)
+    finally:
+        if short:
+            os.environ["JAVA_TOOL_OPTIONS"] = SHORT_JVM
+    yield s
+    s.stop()
+
+
+def _session(get_spark, wh):
+    return get_spark(
         master="local[2]",
         app="userwise-tests",
         ui=False,
@@ -49,8 +64,6 @@ def spark(tmp_path_factory):
             "spark.driver.memory": "3g",
         },
     )
-    yield s
-    s.stop()
 
 
 @pytest.fixture(autouse=True)
