@@ -58,3 +58,52 @@ def test_build_bench_runs_end_to_end_on_a_tiny_log(tmp_path):
         assert {"requests", "events", "samples"} <= set(x["tables"]), x["tables"]
         assert all(v["files"] >= 1 for k, v in x["tables"].items() if k in ("requests", "events", "samples"))
     assert "VERDICT sparse calendar" in res["sparse"]["verdicts"][0]
+
+
+@pytest.mark.spark
+def test_the_tables_least_plan_stores_what_the_build_stores(spark, tmp_path):
+    """The tables least plan bounds the build from below only if it writes what the build
+    writes: a samples row for every (user, sample set) the build has, none more, each with a
+    stream holding every event each of the build's chunks of that set stores (the build keeps
+    no more: only what its requests see), and the same history."""
+    import collections
+    import datetime as dt
+    import importlib.util
+    import io
+
+    from deltalake import DeltaTable
+
+    from tests.support.common import config
+    from userwise.pipelines import config as C
+    from userwise.pipelines.builder import build as B
+    from userwise.pipelines.tools import synth
+
+    spec = importlib.util.spec_from_file_location("build_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    L, days, start = 10, 3, dt.date(2026, 1, 1)
+    synth.synth(str(tmp_path / "log"), start=start.isoformat(), days=days, users=8, max_seq_len=L,
+                kinds=("lean", "actions"), params=synth.SynthParams(bot_factor=20), log=io.StringIO())
+    cfg = C.parse(config(L, max_sample_cost=60, actions=True, history_length=15))
+    log = {"input": str(tmp_path / "log" / "lean"), "actions": str(tmp_path / "log" / "actions")}
+    as_of = start + dt.timedelta(days=days)
+    boundary = as_of - dt.timedelta(days=days - 1)
+    bench.tables_run(spark, cfg, log, str(tmp_path / "tables"), as_of.isoformat(), days - 1, 1)
+    B.build(spark, cfg, log["input"], str(tmp_path / "build"), as_of.isoformat(), days - 1, 1, log["actions"])
+
+    def rows(table: str, cols: list[str]) -> list[dict]:
+        return DeltaTable(str(table)).to_pyarrow_table(columns=cols).to_pylist()
+
+    least = {(r["user"], r["_set"]): collections.Counter(e["ev_ts"] for e in r["stream"])
+             for r in rows(tmp_path / "tables" / "samples", ["user", "_set", "stream"])}
+    built = rows(tmp_path / "build" / "samples", ["kind", "window_end", "user", "chunk", "seq_ts"])
+    key = {(r["user"], 0 if r["kind"] == "pretrain" else (r["window_end"] - boundary).days) for r in built}
+    assert key == set(least) and len({k[1] for k in key}) == days, (sorted(key), sorted(least))
+    assert sum(r["chunk"] > 0 for r in built) > 0  # the cap splits heavy users: chunks are covered too
+    for r in built:
+        k = (r["user"], 0 if r["kind"] == "pretrain" else (r["window_end"] - boundary).days)
+        assert not collections.Counter(r["seq_ts"]) - least[k], (k, r["chunk"])
+    hist = {r["user"]: sorted(e["ev_ts"] for e in r["events"]) for r in rows(tmp_path / "tables" / "history",
+                                                                             ["user", "events"])}
+    want = {r["user"]: sorted(r["ev_ts"]) for r in rows(tmp_path / "build" / "history", ["user", "ev_ts"])}
+    assert {u: h for u, h in hist.items() if h} == want
