@@ -1068,8 +1068,9 @@ def main(argv=None) -> int:
                 "code": {"path": code, "commit": head or None, "uncommitted_changes": bool(dirty)}})
 
     def stamp(d: dict) -> dict:
+        # each section keeps the code it measured: a run of some sections leaves the others' stamps
         d.update({"args": {k: v for k, v in vars(args).items()}, "load_avg": os.getloadavg(),
-                  "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+                  "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": res["code"]})
         return d
 
     if not args.no_warmup:
