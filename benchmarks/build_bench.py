@@ -461,7 +461,7 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
         end = F.lit(b0) + F.col("_set") * F.lit(n * day)
         ts = EV + "ts"
         ev = F.coalesce(F.col("_ev"), F.array())  # a user with requests and no event
-        before = F.filter(ev, lambda x: x[ts] < F.coalesce(start, F.lit(0)))
+        before = F.filter(ev, lambda x: x[ts] < start)  # the pretrain set (start null): none
         base = F.slice(before, F.greatest(F.size(before) - F.lit(cfg.max_seq_len - 1), F.lit(1)), cfg.max_seq_len)
         own = F.filter(ev, lambda x: (x[ts] >= F.coalesce(start, F.lit(-(2 ** 62)))) & (x[ts] < end))
         (r.join(e, on="user", how="left")

@@ -43,27 +43,23 @@ def spark(tmp_path_factory):
     if short:
         del os.environ["JAVA_TOOL_OPTIONS"]  # this JVM is long-lived: both compilers
     try:
-        s = _session(get_spark, wh)
+        s = get_spark(
+            master="local[2]",
+            app="userwise-tests",
+            ui=False,
+            conf={
+                "spark.sql.shuffle.partitions": "2",
+                "spark.databricks.delta.snapshotPartitions": "1",
+                "spark.default.parallelism": "2",
+                "spark.sql.warehouse.dir": str(wh),
+                "spark.driver.memory": "3g",
+            },
+        )
     finally:
         if short:
             os.environ["JAVA_TOOL_OPTIONS"] = SHORT_JVM
     yield s
     s.stop()
-
-
-def _session(get_spark, wh):
-    return get_spark(
-        master="local[2]",
-        app="userwise-tests",
-        ui=False,
-        conf={
-            "spark.sql.shuffle.partitions": "2",
-            "spark.databricks.delta.snapshotPartitions": "1",
-            "spark.default.parallelism": "2",
-            "spark.sql.warehouse.dir": str(wh),
-            "spark.driver.memory": "3g",
-        },
-    )
 
 
 @pytest.fixture(autouse=True)
