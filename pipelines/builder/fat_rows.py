@@ -28,6 +28,7 @@ from userwise.pipelines.builder.pointer import (
     assign_chunks,
     bucket_of,
     by_set,
+    chunk_seqs,
     keep,
     prefix,
     route_events,
@@ -129,7 +130,7 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
                                F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
     seq_map = {r_: f"f_{r_}" for r_ in roles}
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
-    return sample_rows(cfg, layout, routed, wide, kind, ws, we, seq_map, part)
+    return sample_rows(cfg, layout, chunk_seqs(routed, seq_map, part), wide, kind, ws, we, seq_map, part)
 
 
 def fat_events(cfg: Config, layout: Layout, reqs: DataFrame) -> DataFrame:

@@ -4,8 +4,9 @@ The events table is the truth. A window's stored stream is, per user, the
 newest L events strictly before its start (L = max_seq_len: all that a request
 of the window can see of the past) plus its own events; the history as of a
 date D is the newest H events strictly before D. Both are one Spark
-computation over the events for any number of dates (:func:`set_streams`,
-:func:`newest`): nothing replays days or reads an old Delta version.
+computation over the events for any number of dates (the sample sets'
+streams in :func:`pointer.lean_sets`, the history in :func:`newest`): nothing
+replays days or reads an old Delta version.
 
 The history table is a cache that the daily job keeps with one MERGE per
 date. ``history_log`` records, per date a history job ran for, the table's
@@ -23,8 +24,8 @@ from pyspark.sql import functions as F
 
 from userwise import schemas as S
 from userwise.pipelines.builder.ingest import day_of
-from userwise.pipelines.builder.pointer import SET, bucket_of, event_cols
-from userwise.pipelines.config import SECONDS_PER_DAY, Config, day_start
+from userwise.pipelines.builder.pointer import bucket_of, event_cols
+from userwise.pipelines.config import Config, day_start
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import EV, Layout
@@ -79,9 +80,10 @@ class SetPlan:
     """Sample sets by their time bounds, on a calendar of UTC days.
 
     ``bounds``: per set (start, end) dates, start None for "from the beginning" (the
-    pretrain set). Days from the first bound on are segments 0, 1, ...; everything
-    before it is segment -1. A set covers the segments of its days, so an event's
-    or a request's sets are a lookup by segment (sets may overlap).
+    pretrain set); ``times``: the same bounds in time units (a set holds the requests and
+    events timed in [start, end)). Days from the first bound on are segments 0, 1, ...;
+    everything before it is segment -1. A set covers the segments of its days, so a
+    request's sets are a lookup by its day's segment (sets may overlap).
     """
 
     def __init__(self, cfg: Config, bounds: list[tuple[dt.date | None, dt.date]]):
@@ -91,18 +93,11 @@ class SetPlan:
         finite = [d for s_, e in bounds for d in (s_, e) if d is not None]
         self.d0, self.dend = min(finite), max(e for _, e in bounds)
         ups = cfg.units_per_second
-        self.s0, self.end = day_start(self.d0, ups), day_start(self.dend, ups)
-        self.unit = SECONDS_PER_DAY * ups
+        self.times = [(None if s_ is None else day_start(s_, ups), day_start(e, ups)) for s_, e in bounds]
         segs = (self.dend - self.d0).days
-        self.first = [-1 if s_ is None else (s_ - self.d0).days for s_, _ in bounds]
-        self.covers = {g: [j for j, (f, (_, e)) in enumerate(zip(self.first, bounds))
+        first = [-1 if s_ is None else (s_ - self.d0).days for s_, _ in bounds]
+        self.covers = {g: [j for j, (f, (_, e)) in enumerate(zip(first, bounds))
                            if f <= g < (e - self.d0).days] for g in range(-1, segs)}
-        # a set with a start has a base: the newest L events before it
-        self.has_base = any(s_ is not None for s_, _ in bounds)
-
-    def segment_of_time(self, t: Column) -> Column:
-        return F.when(t < F.lit(self.s0), F.lit(-1)).otherwise(
-            F.floor((t - F.lit(self.s0)) / F.lit(self.unit))).cast("int")
 
     def segment_of_date(self, d: Column) -> Column:
         return F.when(d < F.lit(self.d0), F.lit(-1)).otherwise(F.datediff(d, F.lit(self.d0))).cast("int")
@@ -112,60 +107,6 @@ class SetPlan:
         table = F.array(*[F.array(*[F.lit(j) for j in self.covers[g]]).cast("array<int>")
                           for g in sorted(self.covers)])
         return F.element_at(table, segment + 2)
-
-    def first_segment(self, set_col: Column) -> Column:
-        return F.element_at(F.array(*[F.lit(f) for f in self.first]), set_col + 1)
-
-
-def set_streams(cfg: Config, layout: Layout, plan: SetPlan, events: DataFrame, active: DataFrame) -> DataFrame:
-    """Every set's stream in one plan: user, _set, ev_* columns.
-
-    A set's stream is, per user, the newest L events strictly before its start (its
-    base; L = max_seq_len: a request sees at most L events, so no request of the set
-    reaches an older one, and the samples store only what requests see) and its own
-    events. ``active``: the (user, _set) pairs that have requests; bases are made only
-    for them.
-
-    An event of rank k in its user's stream (total order) belongs to the base of a later
-    set j exactly while fewer than L of the user's events lie between it and j's start,
-    i.e. while c_j < k + L (c_j: the user's events before j's start). Only the newest L
-    events of each (user, segment) can qualify, so the copies are bounded by the bases'
-    own size; ranks come from per-segment counts, and no window spans a user's whole log.
-    """
-    L = cfg.max_seq_len
-    cols = event_cols(layout)
-    ts = F.col(EV + "ts")
-    e = events.select("user", *cols).where(ts < F.lit(plan.end)).withColumn("_g", plan.segment_of_time(ts))
-    own = e.select("user", F.explode(plan.sets_of(F.col("_g"))).alias(SET), *cols)
-    if not plan.has_base:
-        return own
-    # the newest L events of each (user, segment): per time bucket first, so a bot user's
-    # segment spreads over many tasks
-    t = e.withColumn("_sk", bucket_of(ts, cfg))
-    t = t.withColumn("_r", F.row_number().over(
-        Window.partitionBy("user", "_g", "_sk").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= L)
-    t = t.withColumn("_r", F.row_number().over(
-        Window.partitionBy("user", "_g").orderBy(*_ordered(layout, t, True)))).where(F.col("_r") <= L)
-    # per user, one row per segment: its events (_n), the events before it (_c) and the
-    # active sets starting there
-    counts = e.groupBy("user", "_g").agg(F.count(F.lit(1)).alias("_n"))
-    starts = active.select("user", SET, plan.first_segment(F.col(SET)).alias("_g")).where(F.col("_g") >= 0)
-    segs = counts.unionByName(starts, allowMissingColumns=True).groupBy("user", "_g").agg(
-        F.coalesce(F.sum("_n"), F.lit(0)).cast("long").alias("_n"), F.collect_set(SET).alias("_sets"))
-    before = Window.partitionBy("user").orderBy("_g").rowsBetween(Window.unboundedPreceding, -1)
-    segs = segs.withColumn("_c", F.coalesce(F.sum("_n").over(before), F.lit(0)).cast("long"))
-    per_user = segs.groupBy("user").agg(
-        F.collect_list(F.struct("_g", "_c", "_n", "_sets")).alias("_segs"))
-    # an event's rank from its own segment's row (an equi-join): looked up inside the lambda
-    # below, it would scan the user's segments once per segment, per event
-    own_seg = segs.select("user", "_g", (F.col("_c") + F.col("_n")).alias("_cn"))
-    j = (t.join(own_seg, on=["user", "_g"], how="inner")
-          .withColumn("_rank", F.col("_cn") - F.col("_r") + 1)
-          .join(per_user, on="user", how="inner"))
-    later = F.filter(F.col("_segs"), lambda x: (x["_g"] > F.col("_g")) & (F.size(x["_sets"]) > 0)
-                     & (x["_c"] < F.col("_rank") + F.lit(L)))
-    base = j.select("user", F.explode(F.flatten(F.transform(later, lambda x: x["_sets"]))).alias(SET), *cols)
-    return own.unionByName(base)
 
 
 class History:

@@ -1,17 +1,22 @@
 """The pointer: one stream per user, requests index into it, chunks cap the cost.
 
-The per-user running quantities (event index, request seq_end) are computed with
-:func:`prefix`, which splits a user's rows by time bucket before any window, so a
-bot user with millions of rows spreads over many tasks instead of sinking one.
+Lean input (:func:`lean_sets`): each user's events are collected once, in the
+stream's total order, and every sample set slices its stream from them; a
+request's seq_end comes from one sort of the set's events and requests merged.
+Fat rows (:mod:`fat_rows`) index their stitched stream with :func:`prefix`,
+which splits a user's rows by time bucket before any window, so a bot user with
+millions of rows spreads over many tasks instead of sinking one, and route the
+events to chunks by an equi-join on (user, index bucket), never a range join.
 
-Chunking (:func:`assign_chunks`) is a greedy fill. A chunk's cost is what its
+Chunking (:func:`chunk_ids`) is a greedy fill. A chunk's cost is what its
 sample stores: the events from its slices' least begin to their greatest end,
 plus its requests' own costs (impressions, and override events for fat rows).
 In (req_time, req_id) order a chunk takes the user's next request unless that
 would take its cost over ``max_sample_cost``; a request over the cap alone is a
 chunk of its own. One fold per (user, set) over the sorted narrow rows does it,
-linear in the user's requests (a heavy user's pass through one task). Events are
-then routed to chunks by an equi-join on (user, index bucket), never a range join.
+linear in the user's requests (a heavy user's pass through one task). The wide
+columns (impressions) join back once, for the samples' groupBy by chunk, so no
+row larger than a chunk is ever built from them.
 """
 
 from __future__ import annotations
@@ -85,49 +90,16 @@ def event_cols(layout: Layout) -> list[str]:
     return [f.name for f in S.event_fields(layout)]
 
 
-def index_stream(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame,
-                 part: tuple[str, ...] = ()) -> tuple[DataFrame, DataFrame]:
-    """Give every event its index in its user's stream and every request its seq_end.
+def chunk_ids(cfg: Config, arr: Column) -> Column:
+    """The chunk of each request of one (user, set): ``arr`` holds its requests in (req_time,
+    req_id) order, structs with _b, _e (slice; ignored where _len is 0), _c (own cost) and
+    _len; returns their chunk ids (array<int>, 0, 1, ...).
 
-    ``events``: user, *part + ev_* columns. ``requests``: user, *part, req_id, req_time, ...
-    A stream is per (user, *part): ``part`` names the sample set where one frame holds several.
-    seq_end counts the events strictly before the request time.
-    """
-    sort_cols = S.sort_key(layout)
-    ev = events.select(
-        "user", *part, *event_cols(layout), F.lit(1).alias("_is_ev"), F.col(EV + "ts").alias("_t"),
-    )
-    rq = requests.select("user", *part, F.col("req_id").alias("_rid"), F.col("req_time").alias("_t"),
-                         F.lit(0).alias("_is_ev"))
-    u = ev.unionByName(rq, allowMissingColumns=True).withColumn("_sk", bucket_of(F.col("_t"), cfg))
-    order = [F.col("_t").asc(), F.col("_is_ev").asc()] + [F.col(c).asc_nulls_first() for c in sort_cols]
-    u = keep(prefix(u, ["user", *part], "_sk", order, sums={"_cum": "_is_ev"}))
-    events_idx = u.where(F.col("_is_ev") == 1).select("user", *part, *event_cols(layout),
-                                                     (F.col("_cum") - 1).alias("idx"))
-    req_end = u.where(F.col("_is_ev") == 0).select("user", *part, F.col("_rid").alias("req_id"),
-                                                  F.col("_t").alias("req_time"),
-                                                  F.col("_cum").cast("long").alias("_seq_end"))
-    return events_idx, req_end
-
-
-def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
-    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (slice; ignored
-    where _len is 0), _c (own cost: impressions, plus override events), _len (slice length),
-    keeping every other column. Chunks are numbered 0.. per (user, *part): ``part`` names
-    the sample set where one frame holds several.
-
-    Greedy, in (req_time, req_id) order: a chunk's cost is the span of its slices
-    (max _e - min _b, the events it stores) plus the sum of _c, and a chunk closes only
-    when the next request would take that cost over ``max_sample_cost``; a request over
-    the cap alone is a chunk of its own. One fold per (user, *part) over its sorted narrow
-    rows (``F.aggregate``) records where each chunk starts; the rows explode back with
-    their chunk ids.
-    """
+    Greedy: a chunk's cost is the span of its slices (max _e - min _b, the events it stores)
+    plus the sum of _c, and a chunk closes only when the next request would take that cost
+    over ``max_sample_cost``; a request over the cap alone is a chunk of its own. One fold
+    (``F.aggregate``) records where each chunk starts."""
     cap = cfg.max_sample_cost
-    keys = ["user", *part]
-    rest = [c for c in reqs.columns if c not in (*keys, "req_time", "req_id")]
-    per = reqs.groupBy(*keys).agg(
-        F.sort_array(F.collect_list(F.struct("req_time", "req_id", *rest))).alias("_r"))
 
     def step(acc: Column, x: Column) -> Column:
         has = x["_len"] > 0
@@ -147,13 +119,27 @@ def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> D
     zero = F.struct(F.lit(0).alias("n"), F.lit(None).cast("long").alias("lo"), F.lit(None).cast("long").alias("hi"),
                     F.lit(0).cast("long").alias("c"), F.array().cast("array<int>").alias("starts"))
 
-    def chunk_ids(acc: Column) -> Column:
+    def ids(acc: Column) -> Column:
         """Chunk k repeated over its requests: starts[k] up to the next start (or the end)."""
         starts = F.concat(F.array(F.lit(0)), acc["starts"])
         return F.flatten(F.transform(starts, lambda s, k: F.array_repeat(
             k, F.when(k + 1 < F.size(starts), F.element_at(starts, k + 2)).otherwise(acc["n"]) - s)))
 
-    per = per.select(*keys, "_r", F.aggregate("_r", zero, step, chunk_ids).alias("chunk"))
+    return F.aggregate(arr, zero, step, ids)
+
+
+def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
+    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (slice; ignored
+    where _len is 0), _c (own cost: impressions, plus override events), _len, keeping every
+    other column. Chunks are numbered 0.. per (user, *part) by :func:`chunk_ids`: ``part``
+    names the sample set where one frame holds several. One fold per (user, *part) over its
+    sorted narrow rows; the rows explode back with their chunk ids.
+    """
+    keys = ["user", *part]
+    rest = [c for c in reqs.columns if c not in (*keys, "req_time", "req_id")]
+    per = reqs.groupBy(*keys).agg(
+        F.sort_array(F.collect_list(F.struct("req_time", "req_id", *rest))).alias("_r"))
+    per = per.select(*keys, "_r", chunk_ids(cfg, F.col("_r")).alias("chunk"))
     z = per.select(*keys, F.explode(F.arrays_zip("_r", "chunk")).alias("_z"))
     return z.select(*keys, *[F.col("_z._r")[c].alias(c) for c in ("req_time", "req_id", *rest)],
                     F.col("_z.chunk").cast("int").alias("chunk"))
@@ -179,22 +165,26 @@ def _field(name: str):
     return lambda x: x[name]
 
 
-def sample_rows(cfg: Config, layout: Layout, events_in_chunks: DataFrame, reqs: DataFrame,
+def chunk_seqs(events_in_chunks: DataFrame, seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
+    """Routed events (user, *part, chunk, idx, event columns) -> one row per chunk with its
+    seq arrays, in index order. ``seq_map``: seq field name -> event column."""
+    ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])
+    seq = events_in_chunks.groupBy("user", *part, "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
+    return seq.select("user", *part, "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
+
+
+def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
                 kind: str | Column, window_start: dt.date | Column | None, window_end: dt.date | Column,
                 seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
     """Assemble one row per (user, *part, chunk) in the samples schema.
 
-    ``reqs``: requests with chunk, lo, _b, _e (slice or null), plus the
-    requests table's columns. ``seq_map``: seq field name -> event column.
-    ``kind`` and the window bounds are values, or columns over ``part`` where one
-    frame holds several sample sets.
+    ``seq``: per (user, *part, chunk) its stored events, one SEQ_ array per key of
+    ``seq_map`` (a chunk without a row stores none). ``reqs``: requests with chunk, lo,
+    _b, _e (slice or null), plus the requests table's columns. ``kind`` and the window
+    bounds are values, or columns over ``part`` where one frame holds several sample sets.
     """
     req_cols = [f.name for f in layout.stored_request_columns]
     imp_cols = [f.name for f in layout.impression_columns]
-    # events -> seq arrays, sorted by index
-    ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])
-    seq = events_in_chunks.groupBy("user", *part, "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
-    seq = seq.select("user", *part, "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
     # requests -> req arrays (sorted by time, id) and flattened impressions
     begin = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_b") - F.col("lo"))
     end = F.when(F.col("_e").isNull(), F.lit(0)).otherwise(F.col("_e") - F.col("lo"))
@@ -272,33 +262,91 @@ def by_set(values: list):
     return c
 
 
-def lean_sets(cfg: Config, layout: Layout, stream: DataFrame, requests: DataFrame, sets: list[tuple]) -> DataFrame:
-    """Samples of several sets at once from their streams and requests, both keyed by
-    ``_set`` (an index into ``sets`` of (kind, window_start, window_end)): every step is
-    per (user, _set), so one Spark plan serves them all and one set is the same code."""
+def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame, sets: list[tuple],
+              bounds: list[tuple[int | None, int]]) -> DataFrame:
+    """Samples of several sets at once, ``requests`` keyed by ``_set`` (an index into ``sets``
+    of (kind, window_start, window_end)); ``bounds``: per set, its [start, end) in time units
+    (start None: from the beginning, the pretrain set). Every step is per (user, _set), so
+    one Spark plan serves them all and one set is the same code.
+
+    Each user's events are collected once, in the stream's total order, and each (user, set)
+    row slices its stream from them: the newest L events strictly before the set's start
+    (its base: all a request of the set can see of the past) and the set's own events. A
+    request's seq_end (the events strictly before its time) comes from one sort of the
+    set's events and requests merged (a request precedes events at its own time), its
+    chunk from :func:`chunk_ids`; as seq_end grows with the request order, a chunk's stored
+    range runs from the begin of its first request that sees an event to the end of its
+    last. Only keys and events go through these rows; the requests' wide columns join back
+    once, for the samples' groupBy by chunk."""
     L = cfg.max_seq_len
     part = (SET,)
-    events_idx, req_end = index_stream(cfg, layout, stream, requests, part)
-    # pointers and chunks on narrow rows (keys and sizes); the wide columns join back once
-    reqs = requests.select("user", *part, "req_id", "req_time", "num_imps").join(
-        req_end, on=["user", *part, "req_id", "req_time"], how="inner")
-    reqs = (reqs.withColumn("_e", F.col("_seq_end"))
-                .withColumn("_b", F.greatest(F.lit(0).cast("long"), F.col("_e") - F.lit(L)))
-                .withColumn("_len", F.col("_e") - F.col("_b"))
-                .withColumn("_c", F.col("num_imps").cast("long")))
-    reqs = assign_chunks(cfg, reqs, part)
-    wc = Window.partitionBy("user", *part, "chunk").rowsBetween(Window.unboundedPreceding,
-                                                                Window.unboundedFollowing)
-    reqs = (reqs.withColumn("lo", F.min(F.when(F.col("_len") > 0, F.col("_b"))).over(wc))
-                .withColumn("hi", F.max(F.when(F.col("_len") > 0, F.col("_e"))).over(wc))
-                .withColumn("lo", F.coalesce(F.col("lo"), F.lit(0)))
-                .withColumn("hi", F.coalesce(F.col("hi"), F.lit(0)))
-                .withColumn("_b", F.when(F.col("_len") > 0, F.col("_b")).otherwise(F.col("lo")))
-                .withColumn("_e", F.when(F.col("_len") > 0, F.col("_e")).otherwise(F.col("lo"))))
-    reqs = keep(reqs.select("user", *part, "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e"))
-    ranges = reqs.select("user", *part, "chunk", "lo", "hi").distinct()
-    ev = route_events(cfg, events_idx, ranges, part)
-    wide = requests.join(reqs, on=["user", *part, "req_id", "req_time"], how="inner")
+    keys = S.sort_key(layout)
+    cols = event_cols(layout)
+    ts = EV + "ts"
+    ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in bounds)))
+    st = F.struct(*[F.col(k) for k in keys], *[F.col(c) for c in cols if c not in keys])
+    per_user = ev.groupBy("user").agg(F.sort_array(F.collect_list(st)).alias("_E"))
+    ev_type = per_user.schema["_E"].dataType
+    nar = requests.select("user", SET, "req_time", "req_id", "num_imps").groupBy("user", SET).agg(
+        F.sort_array(F.collect_list(F.struct("req_time", "req_id", "num_imps"))).alias("_R"))
+    x = nar.join(per_user, on="user", how="left")
+    start = by_set([b for b, _ in bounds])
+    end = by_set([e for _, e in bounds])
+    if not isinstance(start, Column):
+        start = F.lit(start).cast("long")
+    if not isinstance(end, Column):
+        end = F.lit(end).cast("long")
+    e_all = F.coalesce(F.col("_E"), F.array().cast(ev_type))
+    before = F.filter(e_all, lambda e: e[ts] < start)  # none when start is null (pretrain)
+    base = F.slice(before, F.greatest(F.size(before) - F.lit(L - 1), F.lit(1)), F.lit(L))
+    own = F.filter(e_all, lambda e: (e[ts] < end) & (start.isNull() | (e[ts] >= start)))
+    x = x.select("user", SET, "_R", F.concat(base, own).alias("_S"))
+    # seq_end: a request's place in the merged order minus the requests before it
+    merged = F.sort_array(F.concat(
+        F.transform("_S", lambda e, i: F.struct(e[ts].alias("t"), F.lit(1).alias("k"), i.alias("j"))),
+        F.transform("_R", lambda r, j: F.struct(r["req_time"].alias("t"), F.lit(0).alias("k"), j.alias("j")))))
+    ends = F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("e"))),
+                                lambda z: z["k"] == 0), lambda z: z["e"].cast("long"))
+    x = x.withColumn("_end", ends)
+    q = F.transform("_R", lambda r, j: F.struct(
+        r["req_time"].alias("req_time"), r["req_id"].alias("req_id"),
+        F.greatest(F.col("_end")[j] - F.lit(L), F.lit(0).cast("long")).alias("_b"),
+        F.col("_end")[j].alias("_e"),
+        F.least(F.col("_end")[j], F.lit(L).cast("long")).alias("_len"),
+        r["num_imps"].cast("long").alias("_c")))
+    x = x.select("user", SET, "_S", q.alias("_q"))
+    x = x.withColumn("_ch", chunk_ids(cfg, F.col("_q")))
+    n = F.size("_q")
+    # where each chunk starts; requests that see no event (seq_end 0) come first
+    starts = F.filter(F.sequence(F.lit(0), n - 1),
+                      lambda j: F.when(j == 0, F.lit(True)).otherwise(F.col("_ch")[j] != F.col("_ch")[j - 1]))
+    x = x.select("*", starts.alias("_st"), F.size(F.filter("_q", lambda r: r["_len"] == 0)).alias("_z"))
+
+    def bound(k: Column):
+        first = F.greatest(F.col("_st")[k], F.col("_z"))
+        last = F.when(k + 1 < F.size("_st"), F.col("_st")[k + 1]).otherwise(n) - 1
+        some = first <= last
+        return F.struct(F.when(some, F.col("_q")[first]["_b"]).otherwise(F.lit(0).cast("long")).alias("lo"),
+                        F.when(some, F.col("_q")[last]["_e"]).otherwise(F.lit(0).cast("long")).alias("hi"))
+
+    x = keep(x.select("user", SET, "_S", "_q", "_ch",
+                      F.transform("_st", lambda _, k: bound(k)).alias("_lh")))
+    # per request: its chunk and slice (no slice: empty at the chunk's start)
+    r = x.select("user", SET, F.explode(F.arrays_zip("_q", "_ch")).alias("_z"), "_lh")
+    lh = F.col("_lh")[F.col("_z._ch")]
+    has = F.col("_z._q._len") > 0
+    reqs = r.select("user", SET, F.col("_z._q.req_id").alias("req_id"), F.col("_z._q.req_time").alias("req_time"),
+                    F.col("_z._ch").alias("chunk"), lh["lo"].alias("lo"), lh["hi"].alias("hi"),
+                    F.when(has, F.col("_z._q._b")).otherwise(lh["lo"]).alias("_b"),
+                    F.when(has, F.col("_z._q._e")).otherwise(lh["lo"]).alias("_e"))
+    # per chunk: its stored events, the stream's [lo, hi)
+    c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
+    c = c.where(F.col("_b.hi") > F.col("_b.lo"))
+    sl = F.slice("_S", F.col("_b.lo").cast("int") + 1, (F.col("_b.hi") - F.col("_b.lo")).cast("int"))
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
+    seq = c.select("user", SET, "chunk", sl.alias("_s"))
+    seq = seq.select("user", SET, "chunk", *[F.transform("_s", _field(col)).alias(SEQ + name)
+                                             for name, col in seq_map.items()])
+    wide = requests.join(reqs, on=["user", *part, "req_id", "req_time"], how="inner")
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
-    return sample_rows(cfg, layout, ev, wide, kind, ws, we, seq_map, part)
+    return sample_rows(cfg, layout, seq, wide, kind, ws, we, seq_map, part)

@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 from userwise import schemas as S
 from userwise.pipelines import config as C
 from userwise.pipelines.builder import ingest
-from userwise.pipelines.builder.history import SetPlan, set_streams
+from userwise.pipelines.builder.history import SetPlan
 from userwise.pipelines.builder.inputs import read_spark
 from userwise.pipelines.builder.pointer import SET, lean_sets
 from userwise.pipelines.errors import QuarantineLimitError
@@ -213,9 +213,10 @@ def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
     the pretrain set) as one Spark plan, not yet written (:func:`set_samples` writes it).
 
     Every step is keyed by (user, set): a lean set's stream is its base (the newest L
-    events before its start: all its requests can see) and its own events, all sets'
-    derived at once from the events table (:func:`history.set_streams`); a fat set's stream is its own requests'
-    snapshots. One set is the same code, so the daily jobs equal a range build."""
+    events before its start: all its requests can see) and its own events, every set's
+    sliced from each user's events collected once (:func:`pointer.lean_sets`); a fat set's
+    stream is its own requests' snapshots. One set is the same code, so the daily jobs
+    equal a range build."""
     plan = SetPlan(cfg, [(st, en) for _, st, en in sets])
     # the pretrain set spans from the first request day (one value per set: readers group by
     # it), read from the requests table's log rather than by a Spark job
@@ -228,8 +229,7 @@ def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
         df = fat_sets(cfg, layout, reqs, meta)
     else:
         events = delta_io.read(spark, delta_io.table_path(output, "events"))
-        stream = set_streams(cfg, layout, plan, events, reqs.select("user", SET).distinct())
-        df = lean_sets(cfg, layout, stream, reqs, meta)
+        df = lean_sets(cfg, layout, events, reqs, meta, plan.times)
     if len(sets) > 1:
         # Every task holds rows of every set: written as they are, each set would get a file
         # per task (small files, worse compression). AQE's rebalance groups a set's rows and
