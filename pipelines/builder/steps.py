@@ -95,12 +95,12 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     now = df.where(~F.col("_later"))
     q = ingest.quarantine_rows(now, canon.input_cols, "impressions")
     accepted = now.where(F.col("_reason").isNull())
-    reqs = ingest.requests_frame(cfg, canon, accepted)
+    # aggregated once: the requests' range partitioning samples them before their write
+    # (and fat rows explode their events from them)
+    reqs = ingest.requests_frame(cfg, canon, accepted).persist(StorageLevel.MEMORY_AND_DISK)
     if layout.fat:
         from userwise.pipelines.builder.fat_rows import fat_events
 
-        # the requests table and the events exploded from its snapshots: aggregated once
-        reqs = reqs.persist(StorageLevel.MEMORY_AND_DISK)
         events = fat_events(cfg, layout, reqs)
     else:
         events = ingest.impression_events(cfg, canon, accepted)
