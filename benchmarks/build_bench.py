@@ -399,8 +399,8 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
     (``ingest.impression_events``, ``ingest.action_log``), for fat rows the distinct events of
     the requests' snapshots (``fat_rows.fat_events``). Each user's events are collected and
     sorted once (one shuffle by user), and so are each user's requests per sample set (the
-    pretrain set before as-of minus ``m`` days, then windows of ``n`` days, as the build cuts
-    them); ``samples`` holds a row per user and set with the set's requests and the set's
+    pretrain set before as-of minus ``m`` days, then windows of ``n`` days, cut by the build's
+    own ``history.SetPlan``); ``samples`` holds a row per user and set with the set's requests and the set's
     stream, sliced from the user's events as the build stores it: the newest L events before
     the set (none for the pretrain set) and the set's own; ``history`` the newest H events of
     each user. The build adds each request's pointer into its stream, the chunks of heavy
@@ -412,6 +412,8 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
 
     from userwise.pipelines import config as C
     from userwise.pipelines.builder import ingest
+    from userwise.pipelines.builder.build import windows
+    from userwise.pipelines.builder.history import SetPlan
     from userwise.pipelines.builder.inputs import read_spark
     from userwise.schemas import EV
 
@@ -444,21 +446,18 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
         events.write.format("delta").save(os.path.join(out, "events"))
         rcols = ["req_time", "req_id", *[c for c in reqs.columns if c not in ("user", "req_time", "req_id")]]
         ecols = [EV + "ts", *[c for c in events.columns if c not in ("user", EV + "ts")]]
-        # the sets as the build cuts them: 0 the pretrain set, k >= 1 the k-th window of n days
+        # the sets as the build cuts them (the product's own plan of them): 0 the pretrain set,
+        # k >= 1 the k-th window of n days
         ups = cfg.units_per_second
-        day = 86400 * ups
         end_day = dt.date.fromisoformat(as_of)
-        boundary = end_day - dt.timedelta(days=m)
-        b0 = C.day_start(boundary, ups)
-        the_set = F.when(F.col("date") < F.lit(boundary), F.lit(0)).otherwise(
-            F.floor(F.datediff(F.col("date"), F.lit(boundary)) / F.lit(n)).cast("int") + 1)
-        r = reqs.withColumn("_set", the_set).groupBy("user", "_set").agg(
-            F.sort_array(F.collect_list(F.struct(*rcols))).alias("requests"))
+        plan = SetPlan(cfg, [(None, end_day - dt.timedelta(days=m))] + windows(end_day, m, n))
+        r = reqs.select("*", F.explode(plan.sets_of(plan.segment_of_date(F.col("date")))).alias("_set"))
+        r = r.groupBy("user", "_set").agg(F.sort_array(F.collect_list(F.struct(*rcols))).alias("requests"))
         e = events.groupBy("user").agg(F.sort_array(F.collect_list(F.struct(*ecols))).alias("_ev"))
         e = e.persist(StorageLevel.MEMORY_AND_DISK)  # sliced per set, then for the history
         kept.append(e)
-        start = F.when(F.col("_set") > 0, F.lit(b0) + (F.col("_set") - 1) * F.lit(n * day))
-        end = F.lit(b0) + F.col("_set") * F.lit(n * day)
+        start, end = (F.element_at(F.array(*[F.lit(t[i]).cast("long") for t in plan.times]), F.col("_set") + 1)
+                      for i in (0, 1))
         ts = EV + "ts"
         ev = F.coalesce(F.col("_ev"), F.array())  # a user with requests and no event
         before = F.filter(ev, lambda x: x[ts] < start)  # the pretrain set (start null): none
