@@ -277,7 +277,12 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     chunk from :func:`chunk_ids`; as seq_end grows with the request order, a chunk's stored
     range runs from the begin of its first request that sees an event to the end of its
     last. Only keys and events go through these rows; the requests' wide columns join back
-    once, for the samples' groupBy by chunk."""
+    once, for the samples' groupBy by chunk.
+
+    What a heavy user costs: its events (narrow, in the build's range) are one row and each
+    of its sets' request keys another, passed through one task, as the chunk fold needs
+    anyway; nothing wide is ever grouped by more than a chunk. Each set filters the user's
+    events, so the narrow work grows with the number of sets times the user's events."""
     L = cfg.max_seq_len
     part = (SET,)
     keys = S.sort_key(layout)
