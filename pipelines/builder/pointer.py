@@ -271,7 +271,8 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
 
     Each user's events are collected once, in the stream's total order, and each (user, set)
     row slices its stream from them: the newest L events strictly before the set's start
-    (its base: all a request of the set can see of the past) and the set's own events. A
+    (its base: all a request of the set can see of the past) and the set's own events, cut
+    where one sort of the user's events merged with every set's bounds places them. A
     request's seq_end (the events strictly before its time) comes from one sort of the
     set's events and requests merged (a request precedes events at its own time), its
     chunk from :func:`chunk_ids`; as seq_end grows with the request order, a chunk's stored
@@ -281,8 +282,7 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
 
     What a heavy user costs: its events (narrow, in the build's range) are one row and each
     of its sets' request keys another, passed through one task, as the chunk fold needs
-    anyway; nothing wide is ever grouped by more than a chunk. Each set filters the user's
-    events, so the narrow work grows with the number of sets times the user's events."""
+    anyway; nothing wide is ever grouped by more than a chunk."""
     L = cfg.max_seq_len
     part = (SET,)
     keys = S.sort_key(layout)
@@ -291,20 +291,34 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in bounds)))
     st = F.struct(*[F.col(k) for k in keys], *[F.col(c) for c in cols if c not in keys])
     per_user = ev.groupBy("user").agg(F.sort_array(F.collect_list(st)).alias("_E"))
+    # Where the sets' bounds cut each user's events: the events strictly before each bound,
+    # from one sort of the events and the bounds merged (a bound precedes events at its own
+    # time), so a set's base and own events are two slices, not scans of all the events.
+    cut_times = sorted({t for b in bounds for t in b if t is not None})
+    cut = {t: r for r, t in enumerate(cut_times)}
+    marks = F.array(*[F.struct(F.lit(t).cast("long").alias("t"), F.lit(0).alias("k"), F.lit(r).alias("j"))
+                      for r, t in enumerate(cut_times)])
+    merged = F.sort_array(F.concat(
+        F.transform("_E", lambda e, i: F.struct(e[ts].cast("long").alias("t"), F.lit(1).alias("k"), i.alias("j"))),
+        marks))
+    cuts = F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("c"))),
+                                lambda z: z["k"] == 0), lambda z: z["c"])
+    per_user = per_user.select("user", "_E", cuts.alias("_cuts"))
     ev_type = per_user.schema["_E"].dataType
     nar = requests.select("user", SET, "req_time", "req_id", "num_imps").groupBy("user", SET).agg(
         F.sort_array(F.collect_list(F.struct("req_time", "req_id", "num_imps"))).alias("_R"))
     x = nar.join(per_user, on="user", how="left")
-    start = by_set([b for b, _ in bounds])
-    end = by_set([e for _, e in bounds])
-    if not isinstance(start, Column):
-        start = F.lit(start).cast("long")
-    if not isinstance(end, Column):
-        end = F.lit(end).cast("long")
+
+    def events_before(times: list[int | None]) -> Column:
+        """Per row, the user's events strictly before its set's bound (0 for no bound)."""
+        r = by_set([-1 if t is None else cut[t] for t in times])
+        r = r if isinstance(r, Column) else F.lit(r)
+        return F.when(F.col("_E").isNull() | (r < 0), F.lit(0)).otherwise(F.col("_cuts")[r])
+
+    c, d = events_before([b for b, _ in bounds]), events_before([e for _, e in bounds])
     e_all = F.coalesce(F.col("_E"), F.array().cast(ev_type))
-    before = F.filter(e_all, lambda e: e[ts] < start)  # none when start is null (pretrain)
-    base = F.slice(before, F.greatest(F.size(before) - F.lit(L - 1), F.lit(1)), F.lit(L))
-    own = F.filter(e_all, lambda e: (e[ts] < end) & (start.isNull() | (e[ts] >= start)))
+    base = F.slice(e_all, F.greatest(c - F.lit(L), F.lit(0)) + 1, F.least(c, F.lit(L)))  # the newest L before
+    own = F.slice(e_all, c + 1, d - c)
     x = x.select("user", SET, "_R", F.concat(base, own).alias("_S"))
     # seq_end: a request's place in the merged order minus the requests before it
     merged = F.sort_array(F.concat(
