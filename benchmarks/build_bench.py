@@ -403,18 +403,22 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
     own ``history.SetPlan``); ``samples`` holds a row per user and set with the set's requests and the set's
     stream, sliced from the user's events as the build stores it: the newest L events before
     the set (none for the pretrain set) and the set's own; ``history`` the newest H events of
-    each user. The build adds each request's pointer into its stream, the chunks of heavy
-    users, and the report: each only adds to this."""
+    each user. Every table is written in the layout its schema promises, as the build writes
+    it (``delta_io.replace``: range-partitioned and sorted by the schema's ``order_by``; the
+    samples partitioned by set). The build adds each request's pointer into its stream, the
+    chunks of heavy users, and the report: each only adds to this."""
     import datetime as dt
 
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
+    from userwise import schemas as S
     from userwise.pipelines import config as C
     from userwise.pipelines.builder import ingest
     from userwise.pipelines.builder.build import windows
     from userwise.pipelines.builder.history import SetPlan
     from userwise.pipelines.builder.inputs import read_spark
+    from userwise.pipelines.runtime import delta_io
     from userwise.schemas import EV
 
     shutil.rmtree(out, ignore_errors=True)
@@ -441,9 +445,12 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
             events = events.unionByName(a_events)
         events = events.persist(StorageLevel.MEMORY_AND_DISK)  # written, then collected per user
         kept.append(events)
-        q.write.format("delta").save(os.path.join(out, "quarantine"))
-        reqs.write.format("delta").save(os.path.join(out, "requests"))
-        events.write.format("delta").save(os.path.join(out, "events"))
+        # in the layout the schemas promise, written as the build writes them: quarantine,
+        # requests and events range-partitioned and sorted by their order_by, the samples
+        # partitioned by set (the build's by kind and window_end)
+        delta_io.replace(q, os.path.join(out, "quarantine"), None, schema=S.QUARANTINE)
+        delta_io.replace(reqs, os.path.join(out, "requests"), None, schema=S.requests_schema(layout))
+        delta_io.replace(events, os.path.join(out, "events"), None, schema=S.events_schema(layout))
         rcols = ["req_time", "req_id", *[c for c in reqs.columns if c not in ("user", "req_time", "req_id")]]
         ecols = [EV + "ts", *[c for c in events.columns if c not in ("user", EV + "ts")]]
         # the sets as the build cuts them (the product's own plan of them): 0 the pretrain set,
@@ -465,7 +472,7 @@ def tables_run(spark, cfg, log: dict, out: str, as_of: str, m: int, n: int) -> f
         own = F.filter(ev, lambda x: (x[ts] >= F.coalesce(start, F.lit(-(2 ** 62)))) & (x[ts] < end))
         (r.join(e, on="user", how="left")
           .select("user", "_set", "requests", F.concat(base, own).alias("stream"))
-          .write.format("delta").save(os.path.join(out, "samples")))
+          .write.format("delta").partitionBy("_set").save(os.path.join(out, "samples")))
         h = cfg.history_length
         hist = F.filter(F.col("_ev"), lambda x: x[ts] < F.lit(C.day_start(end_day, ups)))
         e.select("user", F.slice(hist, F.greatest(F.size(hist) - F.lit(h - 1), F.lit(1)), h).alias("events")) \
