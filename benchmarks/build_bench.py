@@ -52,8 +52,10 @@ Sections (``--sections``, default all four):
   build's job count, printed beside its time. Bytes (fat, smallest size):
   the fat rows in training order against the samples table, on disk and
   decoded.
-- **skew**: the impression section's logs again without the bot
-  (``--skew-kinds``): the slopes with and without the bot side by side.
+- **skew**: the impression section's sizes (``--skew-kinds``), each built
+  with the bot and then without it, one after the other, so both series
+  meet the same state of the machine and the session: their slopes side by
+  side.
   Target: the slope with the bot within ``--skew-tolerance`` of the slope
   without it.
 - **sparse**: ``--sparse-impressions`` impressions from ``--sparse-users``
@@ -653,53 +655,63 @@ def days_section(spark, work: str, args, kinds: list[str]) -> dict:
 
 def series(spark, work: str, args, kind: str, sizes: list[int], bot_share: float, label: str, ui: bool) -> dict:
     """Floor, least plan and build of one kind at each size (M = days - 1, N = 1), and their slopes."""
+    rows = [size_row(spark, work, args, kind, n, bot_share, label, ui, i == 0) for i, n in enumerate(sizes)]
+    return fit_series(args, kind, label, bot_share, rows)
+
+
+def size_row(spark, work: str, args, kind: str, n: int, bot_share: float, label: str, ui: bool,
+             first: bool) -> dict:
+    """Floor, least plans and build of one kind at one size (M = days - 1, N = 1); ``first``: the
+    series' smallest size (the fat rows' bytes are measured there)."""
     from userwise.pipelines import config as C
 
-    rows = []
-    for i, n in enumerate(sizes):
-        d = os.path.join(work, f"{label.replace(' ', '-')}-n{n}")
-        log = make_log(os.path.join(d, "log"), kind, n, args.days, args.max_seq_len, args.seed, bot_share)
-        cfg = C.load(log["cfg_path"])
-        as_of = as_of_after(log)
-        ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
-        floors, skels, checks, tabs, builds, steps = [], [], [], [], [], None
-        for k in range(args.reps):
-            floors.append(floor_run(spark, ins, os.path.join(d, "floor")))
-            skels.append(skeleton_run(spark, cfg, log["input"], os.path.join(d, "skeleton")))
-            checks.append(checked_run(spark, cfg, log["input"], os.path.join(d, "checked")))
-            tabs.append(tables_run(spark, cfg, log, os.path.join(d, "tables"), as_of, args.days - 1, 1))
-            st = Steps(spark, ui)
-            st.prefix = f"{label.replace(' ', '-')}-n{n}-r{k}-{next(_groups)}-"
-            el, rep, _ = build_run(spark, cfg, log, os.path.join(d, "build"), as_of, args.days - 1, 1, st)
-            builds.append(el)
-            st.collect()
-            if steps is None or el <= min(builds):
-                steps = st
-        jobs = sum(x.get("jobs", 0) for x in steps.summary()) if ui else None
-        m = log["impressions"]
-        row = {"impressions": m, "target": n, "users": log["users"], "bot_impressions": log["bot_rows"],
-               "actions": sum(log["rows"]["actions"].values()) if log["actions"] else 0,
-               "floor_s": round(min(floors), 2), "skeleton_s": round(min(skels), 2), "checked_s": round(min(checks), 2),
-               "tables_s": round(min(tabs), 2), "build_s": round(min(builds), 2), "jobs": jobs,
-               "floor_all_s": [round(x, 2) for x in floors], "skeleton_all_s": [round(x, 2) for x in skels],
-               "checked_all_s": [round(x, 2) for x in checks], "tables_all_s": [round(x, 2) for x in tabs],
-               "build_all_s": [round(x, 2) for x in builds], "samples": rep["samples"], "requests": rep["requests"],
-               "steps": steps.summary()}
-        row["ratio"] = round(row["build_s"] / row["floor_s"], 2)
-        row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
-        row["checked_ratio"] = round(row["checked_s"] / row["floor_s"], 2)
-        row["tables_ratio"] = round(row["tables_s"] / row["floor_s"], 2)
-        row["build_vs_checked"] = round(row["build_s"] / row["checked_s"], 2)
-        row["tables_vs_checked"] = round(row["tables_s"] / row["checked_s"], 2)
-        if kind == "fat" and i == 0 and not args.no_bytes:
-            row["bytes"] = byte_report(log["input"], os.path.join(d, "build"), d, args.seed)
-        rows.append(row)
-        print(f"  {label} {m:>9,} impressions (bot {log['bot_rows'] / m:.1%}): floor {row['floor_s']:6.1f} s, "
-              f"least plan {row['skeleton_s']:6.1f} s ({row['skeleton_ratio']:.2f}x), checked least plan "
-              f"{row['checked_s']:6.1f} s ({row['checked_ratio']:.2f}x), tables least plan {row['tables_s']:6.1f} s "
-              f"({row['tables_vs_checked']:.2f}x checked), build {row['build_s']:6.1f} s ({row['ratio']:.2f}x floor, "
-              f"{row['build_vs_checked']:.2f}x checked, {jobs} Spark jobs)", flush=True)
-        shutil.rmtree(d, ignore_errors=True)
+    d = os.path.join(work, f"{label.replace(' ', '-')}-n{n}")
+    log = make_log(os.path.join(d, "log"), kind, n, args.days, args.max_seq_len, args.seed, bot_share)
+    cfg = C.load(log["cfg_path"])
+    as_of = as_of_after(log)
+    ins = [log["input"]] + ([log["actions"]] if log["actions"] else [])
+    floors, skels, checks, tabs, builds, steps = [], [], [], [], [], None
+    for k in range(args.reps):
+        floors.append(floor_run(spark, ins, os.path.join(d, "floor")))
+        skels.append(skeleton_run(spark, cfg, log["input"], os.path.join(d, "skeleton")))
+        checks.append(checked_run(spark, cfg, log["input"], os.path.join(d, "checked")))
+        tabs.append(tables_run(spark, cfg, log, os.path.join(d, "tables"), as_of, args.days - 1, 1))
+        st = Steps(spark, ui)
+        st.prefix = f"{label.replace(' ', '-')}-n{n}-r{k}-{next(_groups)}-"
+        el, rep, _ = build_run(spark, cfg, log, os.path.join(d, "build"), as_of, args.days - 1, 1, st)
+        builds.append(el)
+        st.collect()
+        if steps is None or el <= min(builds):
+            steps = st
+    jobs = sum(x.get("jobs", 0) for x in steps.summary()) if ui else None
+    m = log["impressions"]
+    row = {"impressions": m, "target": n, "users": log["users"], "bot_impressions": log["bot_rows"],
+           "actions": sum(log["rows"]["actions"].values()) if log["actions"] else 0,
+           "floor_s": round(min(floors), 2), "skeleton_s": round(min(skels), 2), "checked_s": round(min(checks), 2),
+           "tables_s": round(min(tabs), 2), "build_s": round(min(builds), 2), "jobs": jobs,
+           "floor_all_s": [round(x, 2) for x in floors], "skeleton_all_s": [round(x, 2) for x in skels],
+           "checked_all_s": [round(x, 2) for x in checks], "tables_all_s": [round(x, 2) for x in tabs],
+           "build_all_s": [round(x, 2) for x in builds], "samples": rep["samples"], "requests": rep["requests"],
+           "steps": steps.summary()}
+    row["ratio"] = round(row["build_s"] / row["floor_s"], 2)
+    row["skeleton_ratio"] = round(row["skeleton_s"] / row["floor_s"], 2)
+    row["checked_ratio"] = round(row["checked_s"] / row["floor_s"], 2)
+    row["tables_ratio"] = round(row["tables_s"] / row["floor_s"], 2)
+    row["build_vs_checked"] = round(row["build_s"] / row["checked_s"], 2)
+    row["tables_vs_checked"] = round(row["tables_s"] / row["checked_s"], 2)
+    if kind == "fat" and first and not args.no_bytes:
+        row["bytes"] = byte_report(log["input"], os.path.join(d, "build"), d, args.seed)
+    print(f"  {label} {m:>9,} impressions (bot {log['bot_rows'] / m:.1%}): floor {row['floor_s']:6.1f} s, "
+          f"least plan {row['skeleton_s']:6.1f} s ({row['skeleton_ratio']:.2f}x), checked least plan "
+          f"{row['checked_s']:6.1f} s ({row['checked_ratio']:.2f}x), tables least plan {row['tables_s']:6.1f} s "
+          f"({row['tables_vs_checked']:.2f}x checked), build {row['build_s']:6.1f} s ({row['ratio']:.2f}x floor, "
+          f"{row['build_vs_checked']:.2f}x checked, {jobs} Spark jobs)", flush=True)
+    shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def fit_series(args, kind: str, label: str, bot_share: float, rows: list[dict]) -> dict:
+    """A series of :func:`size_row` rows and its least-squares slopes."""
     xs = [r["impressions"] for r in rows]
     res = {"kind": kind, "label": label, "bot_share": bot_share, "days": args.days, "sizes": rows}
     for key in ("build", "floor", "skeleton", "checked", "tables"):
@@ -1083,7 +1095,6 @@ def main(argv=None) -> int:
         used = ((kinds if "impression" in sections else []) + (skew_kinds if "skew" in sections else [])
                 + (days_kinds if "days" in sections else []) + ([args.sparse_kind] if "sparse" in sections else []))
         warm_up(spark, work, args, [k for k in ("lean", "fat") if k in used])
-    with_bot: dict[str, dict] = {}
 
     def run_days():
         print(f"\n== days: {args.days_impressions:,} impressions over {args.days_span} days", flush=True)
@@ -1093,18 +1104,24 @@ def main(argv=None) -> int:
         print(f"\n== per impression: {args.days} days, bot {args.bot_share:.0%}", flush=True)
         ss = [series(spark, work, args, k, sizes[k], args.bot_share, k, ui) for k in kinds]
         print_series(ss, args.cores)
-        with_bot.update({s["kind"]: s for s in ss})
         return {"series": ss, "verdicts": impression_verdicts(ss), "as_of_join_core_us_per_row": AS_OF_JOIN_US}
 
     def run_skew():
         print(f"\n== skew: {', '.join(skew_kinds)} with and without the bot", flush=True)
+        # Side by side: each size's log with the bot, then without, so both series meet the same
+        # state of the machine and of the Spark session (the impression section's series ran
+        # earlier in the session and are not reused here).
         pairs = []
         for k in skew_kinds:
-            w = with_bot.get(k) or series(spark, work, args, k, sizes[k], args.bot_share, k, ui)
-            pairs.append((w, series(spark, work, args, k, sizes[k], 0.0, f"{k} no bot", ui)))
+            rows: tuple[list, list] = ([], [])
+            for n in sizes[k]:
+                for share, label, out in ((args.bot_share, k, rows[0]), (0.0, f"{k} no bot", rows[1])):
+                    out.append(size_row(spark, work, args, k, n, share, label, ui, False))
+            pairs.append((fit_series(args, k, k, args.bot_share, rows[0]),
+                          fit_series(args, k, f"{k} no bot", 0.0, rows[1])))
         print_series([s for pair in pairs for s in pair], args.cores)
-        return {"with_bot": [w for w, _ in pairs if w is not with_bot.get(w["kind"])],
-                "without_bot": [wo for _, wo in pairs], "verdicts": skew_verdicts(pairs, args.skew_tolerance)}
+        return {"with_bot": [w for w, _ in pairs], "without_bot": [wo for _, wo in pairs],
+                "verdicts": skew_verdicts(pairs, args.skew_tolerance)}
 
     def run_sparse():
         print(f"\n== sparse calendar: {args.sparse_impressions:,} impressions over "
