@@ -13,8 +13,10 @@
    the bot's share of the impressions. A stage that groups or windows by user
    alone would put the bot in one task: that task's share would be at least
    the bot's share.
-4. the physical plan of the pretrain samples (index + chunking), showing that
-   the per-user windows are partitioned by (user, time bucket ``_sk``).
+4. the physical plan of the pretrain samples: its exchanges, windows and
+   aggregations, which name the keys each step groups by (lean input: each
+   user's events and each (user, set)'s request keys, narrow rows; the wide
+   columns grouped by chunk; fat rows: windows by (user, time bucket ``_sk``)).
 
 AQE partition coalescing is turned off for this run (``--coalesce`` keeps it):
 at test sizes it folds every shuffle into one task, which hides the layout
@@ -61,7 +63,7 @@ def task_skew(spark, min_tasks: int = 2) -> list[dict]:
 
 
 def plan_excerpt(plan: str) -> list[str]:
-    keep = ("Exchange hashpartitioning", "Window [")
+    keep = ("Exchange hashpartitioning", "Window [", "Aggregate(keys")
     return [ln.rstrip() for ln in plan.splitlines() if any(k in ln for k in keep)]
 
 
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     took = time.perf_counter() - t
     rows = task_skew(spark)
 
-    # The chunking step's plan: the pretrain samples of the build just made (not written).
+    # The sample step's plan: the pretrain samples of the build just made (not written).
     _, layout, _ = build_record.load(out)
     boundary = as_of - dt.timedelta(days=args.days - 1)
     df = steps.samples_frame(spark, cfg, layout, out, [("pretrain", None, boundary)])
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
               f"{r['max_share']:>9.1%} {r['dur_median_ms']:>7.0f} {r['dur_max_ms']:>7.0f}  {r['name'][:60]}")
     print(f"\n{res['stages_max_share_above_bot_share']} of {len(big)} stages have a task holding at least the "
           f"bot's share ({res['bot_share']:.1%}) of the stage's records")
-    print("\nphysical plan of the pretrain samples (exchanges and windows):")
+    print("\nphysical plan of the pretrain samples (exchanges, windows and aggregations):")
     print("\n".join(excerpt))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
