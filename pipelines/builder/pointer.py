@@ -262,6 +262,17 @@ def by_set(values: list):
     return c
 
 
+def events_before_each(times: Column, marks: Column) -> Column:
+    """Per mark (``marks``: ascending times), the number of ``times`` (ascending) strictly
+    before it, in the marks' order: one sort of both merged, where a mark precedes the
+    times equal to it; a mark's place in it minus the marks before it."""
+    merged = F.sort_array(F.concat(
+        F.transform(times, lambda t, i: F.struct(t.cast("long").alias("t"), F.lit(1).alias("k"), i.alias("j"))),
+        F.transform(marks, lambda t, j: F.struct(t.cast("long").alias("t"), F.lit(0).alias("k"), j.alias("j")))))
+    return F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("c"))),
+                                lambda z: z["k"] == 0), lambda z: z["c"])
+
+
 def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame, sets: list[tuple],
               bounds: list[tuple[int | None, int]]) -> DataFrame:
     """Samples of several sets at once, ``requests`` keyed by ``_set`` (an index into ``sets``
@@ -291,18 +302,11 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in bounds)))
     st = F.struct(*[F.col(k) for k in keys], *[F.col(c) for c in cols if c not in keys])
     per_user = ev.groupBy("user").agg(F.sort_array(F.collect_list(st)).alias("_E"))
-    # Where the sets' bounds cut each user's events: the events strictly before each bound,
-    # from one sort of the events and the bounds merged (a bound precedes events at its own
-    # time), so a set's base and own events are two slices, not scans of all the events.
+    # Where the sets' bounds cut each user's events, so a set's base and own events are two
+    # slices, not scans of all the events.
     cut_times = sorted({t for b in bounds for t in b if t is not None})
     cut = {t: r for r, t in enumerate(cut_times)}
-    marks = F.array(*[F.struct(F.lit(t).cast("long").alias("t"), F.lit(0).alias("k"), F.lit(r).alias("j"))
-                      for r, t in enumerate(cut_times)])
-    merged = F.sort_array(F.concat(
-        F.transform("_E", lambda e, i: F.struct(e[ts].cast("long").alias("t"), F.lit(1).alias("k"), i.alias("j"))),
-        marks))
-    cuts = F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("c"))),
-                                lambda z: z["k"] == 0), lambda z: z["c"])
+    cuts = events_before_each(F.transform("_E", lambda e: e[ts]), F.array(*[F.lit(t) for t in cut_times]))
     per_user = per_user.select("user", "_E", cuts.alias("_cuts"))
     ev_type = per_user.schema["_E"].dataType
     nar = requests.select("user", SET, "req_time", "req_id", "num_imps").groupBy("user", SET).agg(
@@ -320,13 +324,9 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     base = F.slice(e_all, F.greatest(c - F.lit(L), F.lit(0)) + 1, F.least(c, F.lit(L)))  # the newest L before
     own = F.slice(e_all, c + 1, d - c)
     x = x.select("user", SET, "_R", F.concat(base, own).alias("_S"))
-    # seq_end: a request's place in the merged order minus the requests before it
-    merged = F.sort_array(F.concat(
-        F.transform("_S", lambda e, i: F.struct(e[ts].alias("t"), F.lit(1).alias("k"), i.alias("j"))),
-        F.transform("_R", lambda r, j: F.struct(r["req_time"].alias("t"), F.lit(0).alias("k"), j.alias("j")))))
-    ends = F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("e"))),
-                                lambda z: z["k"] == 0), lambda z: z["e"].cast("long"))
-    x = x.withColumn("_end", ends)
+    # seq_end: the set's events strictly before each request
+    ends = events_before_each(F.transform("_S", lambda e: e[ts]), F.transform("_R", lambda r: r["req_time"]))
+    x = x.withColumn("_end", F.transform(ends, lambda e: e.cast("long")))
     q = F.transform("_R", lambda r, j: F.struct(
         r["req_time"].alias("req_time"), r["req_id"].alias("req_id"),
         F.greatest(F.col("_end")[j] - F.lit(L), F.lit(0).cast("long")).alias("_b"),
