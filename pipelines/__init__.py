@@ -13,6 +13,8 @@ The data path, in order (each step is a subpackage; its ``__init__`` says more):
    shards stream into training as jagged batches in pinned memory.
 4. :mod:`~userwise.pipelines.train` (PyTorch): the trainer's half of the pointer:
    leak-free masks, kernel layouts and a reference model over those batches.
+5. :mod:`~userwise.pipelines.serve` (PyTorch, never pyspark): what training learned,
+   served from a per-user K/V cache that equals a full recompute and is never stale.
 
 Below the steps: :mod:`~userwise.pipelines.runtime` (storage, progress, the Spark
 session, Delta's jars, Delta I/O, shipping the project to executors) and

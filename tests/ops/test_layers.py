@@ -36,6 +36,7 @@ LAYERS = [
     ["pipelines.builder", "pipelines.shards"],
     ["pipelines.loader"],
     ["pipelines.train"],
+    ["pipelines.serve"],
     ["pipelines.manage"],
     ["pipelines.tools"],
     ["pipelines.cli", "pipelines.tools.demo", "pipelines"],

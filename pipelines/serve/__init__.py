@@ -1,0 +1,38 @@
+"""Serving what user-level training learned: a per-user K/V cache that equals a full
+recompute and is never stale.
+
+Public names::
+
+    from userwise.pipelines.serve import (Events, Candidates, KVState, empty_state, prefill, extend,
+    score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE)
+
+Modules, in the order a request flows through them:
+
+- ``incremental``: a :class:`~userwise.pipelines.train.ReferenceRanker`'s causal
+  encoder run incrementally (prefill, extend by new events, score candidates by their
+  target attention over the cached keys and values), equal to the training forward over
+  the whole held sequence; the prefix-stability check that says which encoders may be
+  cached.
+
+Torch and numpy only; never imports pyspark.
+"""
+
+from userwise.pipelines.serve.incremental import (
+    CACHEABLE,
+    Candidates,
+    Events,
+    KVState,
+    PrefixCheck,
+    check_prefix_stable,
+    empty_state,
+    extend,
+    full_scores,
+    prefill,
+    score,
+    training_encoder,
+)
+
+__all__ = [
+    "Events", "Candidates", "KVState", "empty_state", "prefill", "extend", "score", "full_scores", "PrefixCheck",
+    "check_prefix_stable", "training_encoder", "CACHEABLE",
+]
