@@ -3,11 +3,15 @@ recompute and is never stale.
 
 Public names::
 
-    from userwise.pipelines.serve import (Events, Candidates, KVState, empty_state, prefill, extend,
-    score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE)
+    from userwise.pipelines.serve import (Chain, chain_of, chains_of, longest_valid_prefix, Events,
+    Candidates, KVState, empty_state, prefill, extend, score, full_scores, PrefixCheck,
+    check_prefix_stable, training_encoder, CACHEABLE)
 
 Modules, in the order a request flows through them:
 
+- ``chain``: the chain of a user's events (content hashes rolled, one checkpoint per page
+  of P events, with the model version; Spark computes the same natively) and the longest
+  prefix a held state and the current events both verify;
 - ``incremental``: a :class:`~userwise.pipelines.train.ReferenceRanker`'s causal
   encoder run incrementally (prefill, extend by new events, score candidates by their
   target attention over the cached keys and values), equal to the training forward over
@@ -17,6 +21,7 @@ Modules, in the order a request flows through them:
 Torch and numpy only; never imports pyspark.
 """
 
+from userwise.pipelines.serve.chain import Chain, chain_of, chains_of, longest_valid_prefix
 from userwise.pipelines.serve.incremental import (
     CACHEABLE,
     Candidates,
@@ -33,6 +38,7 @@ from userwise.pipelines.serve.incremental import (
 )
 
 __all__ = [
-    "Events", "Candidates", "KVState", "empty_state", "prefill", "extend", "score", "full_scores", "PrefixCheck",
-    "check_prefix_stable", "training_encoder", "CACHEABLE",
+    "Chain", "chain_of", "chains_of", "longest_valid_prefix", "Events", "Candidates", "KVState", "empty_state",
+    "prefill", "extend", "score", "full_scores", "PrefixCheck", "check_prefix_stable", "training_encoder",
+    "CACHEABLE",
 ]
