@@ -3,15 +3,17 @@ recompute and is never stale.
 
 Public names::
 
-    from userwise.pipelines.serve import (Chain, chain_of, chains_of, longest_valid_prefix, Events,
-    Candidates, KVState, empty_state, prefill, extend, score, full_scores, PrefixCheck,
-    check_prefix_stable, training_encoder, CACHEABLE)
+    from userwise.pipelines.serve import (Chain, chain_of, chains_of, longest_valid_prefix, KVStore,
+    Lease, TIERS, Events, Candidates, KVState, empty_state, prefill, extend, score, full_scores,
+    PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE)
 
 Modules, in the order a request flows through them:
 
 - ``chain``: the chain of a user's events (content hashes rolled, one checkpoint per page
   of P events, with the model version; Spark computes the same natively) and the longest
   prefix a held state and the current events both verify;
+- ``store``: the users' paged states in device, host and disk tiers, bounded in bytes,
+  LRU by user, leased users pinned, every lookup cut to its valid prefix, thread-safe;
 - ``incremental``: a :class:`~userwise.pipelines.train.ReferenceRanker`'s causal
   encoder run incrementally (prefill, extend by new events, score candidates by their
   target attention over the cached keys and values), equal to the training forward over
@@ -36,9 +38,10 @@ from userwise.pipelines.serve.incremental import (
     score,
     training_encoder,
 )
+from userwise.pipelines.serve.store import TIERS, KVStore, Lease
 
 __all__ = [
-    "Chain", "chain_of", "chains_of", "longest_valid_prefix", "Events", "Candidates", "KVState", "empty_state",
-    "prefill", "extend", "score", "full_scores", "PrefixCheck", "check_prefix_stable", "training_encoder",
-    "CACHEABLE",
+    "Chain", "chain_of", "chains_of", "longest_valid_prefix", "KVStore", "Lease", "TIERS", "Events", "Candidates",
+    "KVState", "empty_state", "prefill", "extend", "score", "full_scores", "PrefixCheck", "check_prefix_stable",
+    "training_encoder", "CACHEABLE",
 ]
