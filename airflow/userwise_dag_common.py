@@ -86,13 +86,12 @@ def _check_keys(layer: dict, where: str, allowed: tuple[str, ...] = ()) -> dict:
 
 def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
     """DEFAULTS overridden by the YAML file (``USERWISE_AIRFLOW_CONFIG`` or airflow/userwise.yaml)."""
-    import yaml
+    from userwise.pipelines.config import safe_yaml
 
     path = Path(path or os.environ.get(CONFIG_ENV) or HERE / "userwise.yaml")
     out = dict(DEFAULTS)
     if path.exists():
-        with open(path) as fh:
-            got = yaml.safe_load(fh) or {}
+        got = safe_yaml(path.read_text(), str(path)) or {}
         got = {ALIASES.get(k, k): v for k, v in got.items()}
         unknown = sorted(set(got) - set(DEFAULTS))
         if unknown:

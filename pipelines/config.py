@@ -375,10 +375,59 @@ def load(path: str | Path) -> Config:
     if data is None:
         raise ConfigError("<file>", f"{p} does not exist")
     try:
-        raw = yaml.safe_load(data.decode())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
+        raw = safe_yaml(data.decode(), p)
+    except UnicodeDecodeError as e:
+        raise ConfigError("<file>", f"{p} is not valid UTF-8 text: {e}") from None
     return parse(raw, source=p)
+
+
+# A config file is a few dozen values; aliases may repeat a block, but never expand it into more
+# than this many values (a "billion laughs" file of 735 bytes expands to 9**9).
+YAML_MAX_VALUES = 10_000
+
+
+def safe_yaml(text: str, where: str = "<file>"):
+    """``yaml.safe_load(text)``, bounded: a document whose aliases expand to more than
+    :data:`YAML_MAX_VALUES` values (or refer to themselves) is refused before anything is
+    built from it, with :class:`ConfigError` naming ``where``. Every YAML file the product
+    reads (the config, the Airflow settings) is read through it.
+
+    Example::
+
+        safe_yaml("a: &x [1, 2]\nb: *x")     # {'a': [1, 2], 'b': [1, 2]}
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except yaml.YAMLError as e:
+            raise ConfigError("<file>", f"{where} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n, path: frozenset) -> int:
+            if id(n) in sizes:
+                return sizes[id(n)]
+            if id(n) in path:
+                raise ConfigError("<file>", f"{where}: a YAML alias refers to its own anchor; write the value out")
+            inner = path | {id(n)}
+            if isinstance(n, yaml.MappingNode):
+                k = 1 + sum(size(a, inner) + size(b, inner) for a, b in n.value)
+            elif isinstance(n, yaml.SequenceNode):
+                k = 1 + sum(size(a, inner) for a in n.value)
+            else:
+                k = 1
+            if k > YAML_MAX_VALUES:
+                raise ConfigError("<file>", f"{where}: its YAML aliases expand to more than {YAML_MAX_VALUES} values "
+                                            "(an alias bomb?); write the values out or use fewer aliases")
+            sizes[id(n)] = k
+            return k
+
+        size(node, frozenset())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _numeric(t: pa.DataType) -> bool:

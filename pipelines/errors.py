@@ -19,6 +19,55 @@ class ShardError(UserwiseError):
     """A shard set that is incomplete, corrupt or of another format."""
 
 
+class ArgumentError(UserwiseError, ValueError):
+    """An argument of a library call that is ill-typed or out of range (also a ``ValueError``,
+    so ``except ValueError`` keeps catching it)."""
+
+
+_KINDS = {
+    "int": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
+    "int>=0": ("an integer >= 0", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0),
+    "int>=1": ("an integer >= 1", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1),
+    "number": ("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x),
+    "str": ("a string", lambda x: isinstance(x, str)),
+    "bool": ("true or false", lambda x: isinstance(x, bool)),
+    "list": ("a list", lambda x: isinstance(x, list)),
+    "dict": ("a mapping", lambda x: isinstance(x, dict)),
+}
+
+
+def short(value, n: int = 80) -> str:
+    """``repr(value)``, cut to ``n`` characters."""
+    r = repr(value)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def expect(value, kind: str, what: str, *, nullable: bool = False, error: type = ArgumentError, fix: str = ""):
+    """``value`` when it is of ``kind`` (``int``, ``int>=0``, ``int>=1``, ``number``, ``str``,
+    ``bool``, ``list``, ``dict``; an integer numpy scalar counts as an int), else ``error``
+    naming ``what``. The one type check of arguments, manifests and loader states.
+
+    Example::
+
+        batch_size = expect(batch_size, "int>=1", "batch_size")   # 2.5 -> ArgumentError
+    """
+    if value is None and nullable:
+        return value
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == () and kind.startswith("int"):
+        try:
+            import numpy as np
+
+            if np.issubdtype(value.dtype, np.integer):
+                value = int(value)
+        except ImportError:
+            pass
+    desc, ok = _KINDS[kind]
+    if not ok(value):
+        raise error(f"{what} must be {desc}{' or None' if nullable else ''}, got {short(value)}"
+                    + (f"; {fix}" if fix else ""))
+    return value
+
+
 _OS_HINTS = {
     28: "the disk is full: free space there (or pick another destination) and run the command again; "
         "finished work is kept",
@@ -39,6 +88,24 @@ def one_line(exc: BaseException, log_path: str | None = None) -> tuple[int, str]
     1: an internal error (the traceback is shown with ``userwise --debug``).
     The codes are :mod:`userwise.pipelines.console`'s.
     """
+    code, line = _one_line(exc, log_path)
+    return code, _cut(line)
+
+
+# An error line is read by a person: a message that quotes a huge value (a config's expanded
+# alias, a long list) is cut to this many characters.
+MAX_LINE = 600
+
+
+def _cut(line: str, n: int = MAX_LINE) -> str:
+    """``line`` cut in the middle to about ``n`` characters: its start says what, its end the fix."""
+    if len(line) <= n:
+        return line
+    head, tail = (n * 2) // 3, n // 4
+    return f"{line[:head]} [... {len(line) - head - tail} characters cut ...] {line[-tail:]}"
+
+
+def _one_line(exc: BaseException, log_path: str | None) -> tuple[int, str]:
     where = f" (Spark's log: {log_path})" if log_path else ""
     if isinstance(exc, UserwiseError):  # one line, even where it quotes a library's message
         return 2, " ".join(str(exc).split())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -14,11 +15,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from userwise.pipelines.errors import ShardError
+from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
 from userwise.pipelines.loader import assemble_torch, decode, resume
 from userwise.pipelines.loader.assemble import Prepared
 from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, plan_node, user_unit
-from userwise.pipelines.loader.shards import NodeShards, open_node
+from userwise.pipelines.loader.shards import VERIFY, NodeShards, open_node
 from userwise.pipelines.shards import gds as gdsmod
 
 log = logging.getLogger("userwise.loader")
@@ -117,7 +118,7 @@ def read_pool() -> str:
     """The shard readers' pool for datasets made now: ``USERWISE_READ_POOL``, default "arrow"."""
     name = os.environ.get("USERWISE_READ_POOL", "arrow")
     if name not in READ_POOLS:
-        raise ValueError(f"USERWISE_READ_POOL={name!r}: use one of {READ_POOLS}")
+        raise ArgumentError(f"USERWISE_READ_POOL={name!r}: use one of {READ_POOLS}")
     return name
 
 
@@ -136,7 +137,7 @@ def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) ->
     if pool == "arrow":
         return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
     if pool != "system":
-        raise ValueError(f"pool must be one of {READ_POOLS}, got {pool!r}")
+        raise ArgumentError(f"pool must be one of {READ_POOLS}, got {pool!r}")
     with _POOL_SWAP:
         old = pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
@@ -192,27 +193,45 @@ class UserwiseDataset(IterableDataset):
                  eval_user_share=0.0, eval_seed=0, columns=None, verify="checksum", gds="auto", device=None,
                  all_reduce_targets=True):
         super().__init__()
-        if token_budget is None and (batch_size is None or batch_size < 1):
-            raise ValueError("batch_size must be >= 1 (or give token_budget)")
-        if token_budget is not None and token_budget < 1:
-            raise ValueError("token_budget must be >= 1")
+        # every argument is checked before a file is opened: one ArgumentError (a ValueError) naming it
+        if token_budget is None:
+            batch_size = expect(batch_size, "int>=1", "batch_size", fix="or give token_budget")
+        else:
+            token_budget = expect(token_budget, "int>=1", "token_budget")
+            batch_size = expect(batch_size, "int>=1", "batch_size", nullable=True)
         if split not in ("all", "train", "eval"):
-            raise ValueError(f"split must be all, train or eval, got {split!r}")
+            raise ArgumentError(f"split must be all, train or eval, got {split!r}")
+        expect(node, "int>=0", "node", nullable=True)
+        expect(rank, "int>=0", "rank", nullable=True)
+        expect(world_size, "int>=1", "world_size", nullable=True)
+        seed, eval_seed = expect(seed, "int", "seed"), expect(eval_seed, "int", "eval_seed")
+        expect(shuffle, "bool", "shuffle")
+        share = expect(eval_user_share, "number", "eval_user_share")
+        if not 0 <= share < 1:
+            raise ArgumentError(f"eval_user_share must be in [0, 1) (the share of users held out), got {share!r}")
+        if sets is not None and (isinstance(sets, str) or not all(isinstance(x, str) for x in sets)):
+            raise ArgumentError(f"sets must be a list of set ids or kinds, got {sets!r}")
+        if isinstance(eval_sets, str) or not all(isinstance(x, str) for x in eval_sets):
+            raise ArgumentError(f"eval_sets must be a list of set ids or kinds, got {eval_sets!r}")
+        if columns is not None and (isinstance(columns, str) or not all(isinstance(x, str) for x in columns)):
+            raise ArgumentError(f"columns must be a list of column names, got {columns!r}")
+        if buffer_row_groups != "auto":
+            expect(buffer_row_groups, "int>=1", "buffer_row_groups", fix="or 'auto'")
+        if verify not in VERIFY:
+            raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
         self.shards: NodeShards = open_node(root, node, verify=verify)
         dr, dw = dist_rank_world()
         self.rank = dr if rank is None else int(rank)
         self.world_size = dw if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+            raise ArgumentError(f"rank {self.rank} is outside world size {self.world_size}")
         self.batch_size, self.token_budget = batch_size, token_budget
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.batch_order = check_batch_order(batch_order)
         if buffer_row_groups == "auto":
             buffer_row_groups = auto_buffer_row_groups(self.shards.rg_rows, self.shards.rg_bytes)
-        elif isinstance(buffer_row_groups, str) or int(buffer_row_groups) < 1:
-            raise ValueError(f"buffer_row_groups must be 'auto' or >= 1, got {buffer_row_groups!r}")
         self.buffer_row_groups = int(buffer_row_groups)
-        self.split, self.eval_user_share, self.eval_seed = split, float(eval_user_share), int(eval_seed)
+        self.split, self.eval_user_share, self.eval_seed = split, float(share), int(eval_seed)
         self.all_reduce_targets = all_reduce_targets
         man = self.shards.manifest
         kinds = {s["id"]: s["kind"] for s in man["sets"]}
@@ -225,7 +244,7 @@ class UserwiseDataset(IterableDataset):
         if columns is not None:
             bad = [c for c in columns if c not in names]
             if bad:
-                raise ValueError(f"unknown columns {bad}; the shards have {names}")
+                raise ArgumentError(f"unknown columns {bad}; the shards have {names}")
             columns = [c for c in names if c in set(columns) | set(REQUIRED)]
         self.columns = columns or list(names)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -244,7 +263,7 @@ class UserwiseDataset(IterableDataset):
     def _choose_path(self, gds) -> str:
         gds = "auto" if gds is True else gds
         if gds not in ("auto", "device", "host", False, None):
-            raise ValueError(f"gds must be 'auto', 'device', 'host' or False, got {gds!r}")
+            raise ArgumentError(f"gds must be 'auto', 'device', 'host' or False, got {gds!r}")
         have_side = all(s.get("gds_path") for s in self.shards.shards)
         if gds == "host":
             if not have_side:
@@ -497,13 +516,14 @@ class UserwiseDataset(IterableDataset):
         ahead: collections.deque = collections.deque()  # reads in flight, in buffer order
         try:
             for n, (i, buf) in enumerate(mine):
-                if pool is not None:
-                    while len(ahead) < READ_AHEAD and n + len(ahead) < len(mine):
-                        ahead.append(pool.submit(self._read, mine[n + len(ahead)][1]))
-                    cols = ahead.popleft().result()
-                else:
-                    cols = self._read(buf)
-                src = self._prepared(buf, cols)
+                with self._damage_is_a_shard_error(buf):
+                    if pool is not None:
+                        while len(ahead) < READ_AHEAD and n + len(ahead) < len(mine):
+                            ahead.append(pool.submit(self._read, mine[n + len(ahead)][1]))
+                        cols = ahead.popleft().result()
+                    else:
+                        cols = self._read(buf)
+                    src = self._prepared(buf, cols)
                 j0 = int(firsts[i])
                 for k in range(buf.num_batches):
                     j = j0 + k
@@ -511,18 +531,36 @@ class UserwiseDataset(IterableDataset):
                         continue
                     meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
                     a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
-                    if src is None:
-                        yield self._empty(meta, alloc)
-                    elif isinstance(src, Prepared):
-                        yield src.assemble_range(a, b, alloc, meta)
-                    else:
-                        yield self.gather(src, buf.perm[a:b], alloc, meta)
+                    with self._damage_is_a_shard_error(buf):
+                        if src is None:
+                            batch = self._empty(meta, alloc)
+                        elif isinstance(src, Prepared):
+                            batch = src.assemble_range(a, b, alloc, meta)
+                        else:
+                            batch = self.gather(src, buf.perm[a:b], alloc, meta)
+                    yield batch
         finally:  # stopped early (break, error): no read of this epoch outlives it
             for f in ahead:
                 f.cancel()
             for f in ahead:
                 if not f.cancelled():
                     f.exception()  # waits; its error, if any, no longer matters
+
+    @contextlib.contextmanager
+    def _damage_is_a_shard_error(self, buf):
+        """Decoding and assembling a buffer: data that breaks a bound the kernels check, or that
+        Arrow cannot decode, comes from a damaged file (every ``verify`` mode; page CRCs catch
+        most damage first): a :class:`ShardError` naming the buffer's files."""
+        try:
+            yield
+        except (IndexError, ValueError, OverflowError, MemoryError, KeyError, pa.ArrowException) as e:
+            if isinstance(e, UserwiseError):
+                raise
+            sh = self.shards
+            files = sorted({sh.path(int(sh.rg_shard[g])) for g in buf.rgs})
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ShardError(f"{', '.join(files)}: damaged, its data breaks the shard format ({why}); re-stage "
+                             "this file (`userwise stage` verifies checksums)") from None
 
     def _read(self, buf):
         """One buffer's columns as read (None for a buffer without row groups)."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
 from userwise.pipelines.loader import resume, segcopy
 from userwise.pipelines.loader.batch import JaggedBatch, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset, say_once
@@ -102,10 +102,12 @@ class UserwiseLoader:
     def __init__(self, dataset: UserwiseDataset, *, num_workers=0, device=None, prefetch=2, worker_queue=4,
                  pin_memory=None, multiprocessing_context="fork", timeout=600.0, zero_copy=True):
         self.dataset = dataset
-        self.num_workers = int(num_workers)
+        self.num_workers = expect(num_workers, "int>=0", "num_workers", fix="0 decodes in this process")
         self.device = full_device(torch.device(device) if device is not None else dataset.device)
-        self.prefetch = max(1, int(prefetch))
-        self.worker_queue = max(1, int(worker_queue))
+        self.prefetch = expect(prefetch, "int>=1", "prefetch")
+        self.worker_queue = expect(worker_queue, "int>=1", "worker_queue")
+        if expect(timeout, "number", "timeout") <= 0:
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = cuda if pin_memory is None else bool(pin_memory and torch.cuda.is_available())
         self.ctx = mp.get_context(multiprocessing_context)

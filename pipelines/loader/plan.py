@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from userwise.pipelines.errors import ArgumentError
+
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 # the order of the samples inside one batch (the batch's samples are the same either way)
@@ -31,7 +33,7 @@ def check_batch_order(batch_order: str) -> str:
     """``batch_order`` if it is one of :data:`BATCH_ORDERS` (the dataset checks it once, when
     it is made; :func:`plan_node` takes it as checked)."""
     if batch_order not in BATCH_ORDERS:
-        raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
+        raise ArgumentError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
     return batch_order
 
 

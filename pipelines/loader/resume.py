@@ -42,7 +42,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import UserwiseError, expect
 from userwise.pipelines.loader.plan import RankPlan, assign, plan_node
 
 # ``ds`` below is the UserwiseDataset (dataset.py imports this module, so it is not imported here).
@@ -122,6 +122,39 @@ def _check_same_set(ds, st: Mapping, mine: dict) -> None:
                           f"{_fmt(theirs.get(k))}, or start without load_state_dict")
 
 
+# A state's fields and their kinds (:func:`~userwise.pipelines.errors.expect`); None allowed where marked.
+FIELDS = {"epoch": ("int>=0", False), "cursor": ("int>=0", False), "seed": ("int", False),
+          "samples": ("int>=0", False), "node": ("int>=0", False), "rank": ("int>=0", False),
+          "world_size": ("int>=1", False), "batch_size": ("int>=1", True), "token_budget": ("int>=1", True),
+          "shards": ("str", False), "plan": ("dict", False), "targets": ("list", True), "resumed": ("list", True)}
+RUN_FIELDS = {"world_size": ("int>=1", False), "batch_size": ("int>=1", True), "token_budget": ("int>=1", True),
+              "targets": ("list", False), "cursors": ("list", False), "samples": ("list", False)}
+FIX = "pass what loader.state_dict() saved, unchanged"
+
+
+def check_fields(st: Mapping, where: str = "loader state") -> None:
+    """Every field a state holds is of its kind (:data:`FIELDS`), and so is every run in its
+    ``resumed`` list; else :class:`LoaderStateError` naming the field."""
+    for k, (kind, nullable) in FIELDS.items():
+        if k in st:
+            expect(st[k], kind, f"{where}: {k}", nullable=nullable, error=LoaderStateError, fix=FIX)
+    for i, t in enumerate(st.get("targets") or ()):
+        expect(t, "int>=0", f"{where}: targets[{i}]", error=LoaderStateError, fix=FIX)
+    for i, run in enumerate(st.get("resumed") or ()):
+        w = f"{where}: resumed[{i}]"
+        expect(run, "dict", w, error=LoaderStateError, fix=FIX)
+        for k, (kind, nullable) in RUN_FIELDS.items():
+            if k not in run:
+                raise _refuse(f"{w} lacks {k!r}; {FIX}")
+            expect(run[k], kind, f"{w}.{k}", nullable=nullable, error=LoaderStateError, fix=FIX)
+        if len(run["cursors"]) != run["world_size"] or len(run["samples"]) != run["world_size"]:
+            raise _refuse(f"{w}: cursors and samples need one entry per rank of its world_size "
+                          f"{run['world_size']}; {FIX}")
+        for name, kind in (("targets", "int>=0"), ("cursors", "int>=0"), ("samples", "int")):
+            for j, x in enumerate(run[name]):
+                expect(x, kind, f"{w}.{name}[{j}]", error=LoaderStateError, fix=FIX)
+
+
 def _changed(st: Mapping, mine: dict) -> list[str]:
     return [f"{k} {_fmt(st.get(k))} -> {_fmt(mine[k])}" for k in REMAPPED if st.get(k) != mine[k]]
 
@@ -131,9 +164,16 @@ def accept(ds, state) -> dict:
     return this rank's state to resume from. Only compares fields (the plan is checked
     when the epoch is planned); raises :class:`LoaderStateError`."""
     if isinstance(state, (list, tuple)):
+        for i, s in enumerate(state):
+            if isinstance(s, Mapping):
+                check_fields(s, f"loader state [{i}]")
         return _accept_all(ds, list(state))
     if not isinstance(state, Mapping):
         raise _refuse(f"expected a dict (loader.state_dict()) or a list of every rank's, got {type(state).__name__}")
+    unknown = sorted(set(state) - set(FIELDS))
+    if unknown:
+        raise _refuse(f"unknown fields {unknown}: not a state that loader.state_dict() saved; {FIX}")
+    check_fields(state)
     if not state:
         return {"epoch": 0, "cursor": 0}
     if "world_size" not in state:  # {epoch, cursor, seed}: the meaning it always had
@@ -205,6 +245,10 @@ def check_plan(ds, plan: RankPlan, st: Mapping) -> None:
     """The epoch's plan gives the loaded state's first ``cursor`` batches ``samples`` samples
     and each set ``targets`` batches; else the saved run's plan cannot be reproduced."""
     cursor = int(st.get("cursor", 0))
+    if cursor > plan.num_batches:
+        raise _refuse(f"cursor {cursor} is past the {plan.num_batches} batches this loader plans for epoch "
+                      f"{plan.epoch}: the state is of another shard set, selection or batch size; resume as it was "
+                      "saved, or start the epoch again (loader.set_epoch)")
     if "samples" in st and cursor and samples_before(plan, cursor) != int(st["samples"]):
         raise _refuse(f"this loader plans {samples_before(plan, cursor)} samples into the first {cursor} batches "
                       f"of epoch {plan.epoch}, the saved run had {st['samples']}: the plan differs (another "

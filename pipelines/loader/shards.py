@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from userwise.pipelines.errors import ShardError
+from userwise.pipelines.errors import ArgumentError, ShardError
 from userwise.pipelines.shards import manifest as mf
 
 VERIFY = mf.VERIFY
@@ -104,7 +104,7 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
     ``verify``: ``checksum`` (size + sha256 + schema), ``size`` (size + schema), ``none``.
     """
     if verify not in VERIFY:
-        raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+        raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
     root = os.fspath(root)
     man = mf.load(root)
     if node is None:

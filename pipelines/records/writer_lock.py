@@ -160,19 +160,33 @@ class WriterLock:
             names = [n for n in names if n == EXCLUSIVE]  # other dates' requests jobs may run
         return [storage.join(d, n) for n in sorted(names)]
 
-    def acquire(self) -> "WriterLock":
+    def _folders(self) -> list[str]:
+        """The folders the lock lives in, innermost first: the locks folder, ``_userwise``, ``D``."""
+        return [lock_dir(self.output), folder.meta_dir(self.output), self.output]
+
+    def _make_dir(self) -> None:
         if storage.is_local(self.output):
             os.makedirs(lock_dir(self.output), exist_ok=True)
         else:
             fs, p = storage.filesystem(lock_dir(self.output))
             fs.create_dir(p, recursive=True)
+
+    def acquire(self) -> "WriterLock":
+        # The folders this job creates go again when it releases the lock and they are empty,
+        # so that a refused job leaves no empty build folder behind.
+        self._created = [d for d in self._folders() if not storage.exists(d)]
+        self._make_dir()
         now = time.time()
         me = {"job": self.job, "date": self.date, "pid": os.getpid(), "host": socket.gethostname(),
               "started": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
               "started_ts": now, "output": self.output}
         for _ in range(20):
-            if _create(self.path, me):
-                break
+            try:
+                if _create(self.path, me):
+                    break
+            except FileNotFoundError:  # a job that created the folder released it in between
+                self._make_dir()
+                continue
             holder = _take_over_if_stale(self.path)
             if holder is not None:
                 raise LockedError(f"{self.output} is being written by {describe(holder)}; wait for it to "
@@ -207,12 +221,31 @@ class WriterLock:
         if self.held:
             self._remove()
             self.held = False
+        for d in getattr(self, "_created", ()):
+            if not _remove_if_empty(d):
+                break
+        self._created = []
 
     def __enter__(self) -> "WriterLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _remove_if_empty(path: str) -> bool:
+    """Remove the folder ``path`` when it is empty; whether it is gone."""
+    try:
+        if storage.is_local(path):
+            os.rmdir(storage.local_path(path))
+            return True
+        if storage.listdir(path):
+            return False
+        fs, p = storage.filesystem(path)
+        fs.delete_dir(p)
+        return True
+    except OSError:
+        return False
 
 
 def live_writer(output: str) -> bool:
@@ -232,3 +265,74 @@ def for_command(command: str, args) -> WriterLock | None:
     if command not in WRITERS or not getattr(args, "build_dir", None):
         return None
     return WriterLock(args.build_dir, command, getattr(args, "date", None) if WRITERS[command] == "per-date" else None)
+
+
+class FolderLock:
+    """One job per local folder at a time: an ``flock`` on ``path`` (e.g. ``dest/.stage.lock``).
+
+    The kernel releases an ``flock`` when its process dies, however it dies, so a killed
+    job's lock is taken over by the next one without a heartbeat or a timeout. The file
+    holds the holder's job, pid, host and start time, which a refused job names. A holder
+    removes the file when it releases it; a taker checks after locking that the file it
+    locked is still the one at ``path`` (else a releasing holder removed it in between,
+    and it tries again), so two jobs never both hold it.
+
+    Example::
+
+        with FolderLock("/nvme/shards/.stage.lock", "stage", what="node 0 of s3://b/S"):
+            ...  # a second FolderLock on the same path raises LockedError meanwhile
+    """
+
+    def __init__(self, path: str, job: str, *, what: str = ""):
+        self.path, self.job, self.what = path, job, what
+        self.fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        import fcntl
+
+        for _ in range(20):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_fd(fd)
+                os.close(fd)
+                raise LockedError(f"{os.path.dirname(self.path)} is being written by {describe(holder)}; wait for "
+                                  f"it to finish or stop it, then run this `userwise {self.job}` again") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the holder released and removed it between our open and our lock
+                os.close(fd)
+                continue
+            now = time.time()
+            me = {"job": self.job if not self.what else f"{self.job} ({self.what})", "pid": os.getpid(),
+                  "host": socket.gethostname(), "started_ts": now,
+                  "started": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            self.fd = fd
+            return self
+        raise LockedError(f"could not take the lock {self.path}: it keeps changing hands")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.path)  # while still locked: a taker that opened it sees another inode and retries
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_fd(fd: int) -> dict | None:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return {}

@@ -24,10 +24,11 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 
 import pyarrow.fs as pafs
 
-from userwise.pipelines.errors import ShardError
+from userwise.pipelines.errors import ArgumentError, ShardError, expect, short
 from userwise.schemas import MANIFEST_KEYS, MANIFEST_SHARD
 from userwise.schemas.core import SchemaError, check_version, list_fingerprint, schema_fingerprint
 
@@ -107,7 +108,56 @@ def load(root: str, fs=None) -> dict:
     return validate(m, path)
 
 
+def safe_relpath(path, where: str) -> str:
+    """``path`` when it is a safe relative path inside a shard set's root, else ShardError.
+
+    Safe: a non-empty string of ``/``-separated names, relative (no leading ``/``, no drive, no
+    scheme such as ``s3://`` or ``file:``), normalised (no ``.``, ``..`` or empty name, no
+    ``\\``), with no control character. A manifest is written by whoever can write the cluster
+    storage, so stage and the loader check every path it holds before they touch anything;
+    ``where`` names the entry in the error."""
+    if not isinstance(path, str) or not path:
+        raise ShardError(f"{where}: a path must be a non-empty string, got {short(path)}; the manifest was edited "
+                         "or damaged: rerun `userwise preshard`")
+    parts = path.split("/")
+    why = None
+    if path.startswith("/") or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        why = "is absolute or has a scheme"
+    elif "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        why = "holds a backslash or a control character"
+    elif any(p in ("", ".", "..") for p in parts):
+        why = "is not normalised (an empty, '.' or '..' part)"
+    if why:
+        raise ShardError(f"{where}: path {short(path)} {why}; a shard set's paths are relative to its root, "
+                         "e.g. node=0/shard-00000.parquet: the manifest was edited or damaged, refused before "
+                         "anything was read or written")
+    return path
+
+
+_FIX = "the manifest was edited or damaged: rerun `userwise preshard`"
+
+
+def _typed(d: dict, key: str, kind: str, where: str, *, nullable: bool = False):
+    """``d[key]`` checked against ``kind`` (:func:`~userwise.pipelines.errors.expect`)."""
+    if key not in d:
+        raise ShardError(f"{where}: field {key!r} is missing; rerun `userwise preshard`")
+    return expect(d[key], kind, f"{where}: field {key!r}", nullable=nullable, error=ShardError, fix=_FIX)
+
+
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+# The manifest's own schema: every field a reader uses, with its type (MANIFEST_SHARD's fields, by kind).
+_TOP = {"format_version": "int", "nodes": "int>=1", "ranks_per_node": "int>=1", "seed": "int", "layout": "str",
+        "schema_fingerprint": "str", "schema": "list", "roles": "dict", "source": "dict", "sets": "list",
+        "shards": "list"}
+_SET = {"id": "str", "kind": "str", "rows": "int>=0", "cost": "int>=0", "shards_per_rank": "int>=0"}
+_SHARD = {"path": "str", "node": "int>=0", "rank": "int>=0", "rows": "int>=0", "events": "int>=0",
+          "impressions": "int>=0", "cost": "int>=0", "bytes": "int>=0", "row_groups": "int>=0", "sha256": "str",
+          "set": "str"}
+
+
 def validate(m: dict, where: str = MANIFEST) -> dict:
+    """Check a manifest's schema (every field a reader uses, with its type) and its paths
+    (:func:`safe_relpath`); raise ShardError naming the entry and the field."""
     if not isinstance(m, dict):
         raise ShardError(f"{where}: a manifest is a JSON object")
     try:
@@ -117,19 +167,52 @@ def validate(m: dict, where: str = MANIFEST) -> dict:
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise ShardError(f"{where}: manifest lacks {missing}; rerun `userwise preshard`")
+    for k, kind in _TOP.items():
+        _typed(m, k, kind, where)
+    if not all(isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and isinstance(c[1], str)
+               for c in m["schema"]):
+        raise ShardError(f"{where}: field 'schema' must be a list of [name, type, nullable]; the manifest was "
+                         "edited or damaged: rerun `userwise preshard`")
     fp = schema_fingerprint_of(m["schema"])
     if fp != m["schema_fingerprint"]:
         raise ShardError(f"{where}: schema_fingerprint {m['schema_fingerprint']} does not match its "
                          f"schema ({fp}); the manifest was edited or damaged")
+    if "staged_node" in m:
+        _typed(m, "staged_node", "int>=0", where)
+    for i, st in enumerate(m["sets"]):
+        w = f"{where}: sets[{i}]"
+        if not isinstance(st, dict):
+            raise ShardError(f"{w} must be an object, got {short(st)}")
+        for k, kind in _SET.items():
+            _typed(st, k, kind, w)
     keys = set(MANIFEST_SHARD.names) | {"set"}
-    sets = {s.get("id") for s in m["sets"]}
+    sets = {s["id"] for s in m["sets"]}
     for i, s in enumerate(m["shards"]):
+        w = f"{where}: shards[{i}]"
+        if not isinstance(s, dict):
+            raise ShardError(f"{w} must be an object, got {short(s)}")
         lack = keys - set(s)
         if lack:
-            raise ShardError(f"{where}: shards[{i}] lacks {sorted(lack)}")
+            raise ShardError(f"{w} lacks {sorted(lack)}")
+        for k, kind in _SHARD.items():
+            _typed(s, k, kind, w)
+        safe_relpath(s["path"], f"{w}.path")
+        if not _SHA.match(s["sha256"]):
+            raise ShardError(f"{w}: field 'sha256' must be 64 hex digits, got {short(s['sha256'])}")
+        if s["node"] >= m["nodes"]:
+            raise ShardError(f"{w}: node {s['node']} is outside the set's {m['nodes']} nodes")
+        if s.get("gds_path") is not None:
+            safe_relpath(_typed(s, "gds_path", "str", w), f"{w}.gds_path")
+            _typed(s, "gds_bytes", "int>=0", w)
+            if not _SHA.match(_typed(s, "gds_sha256", "str", w)):
+                raise ShardError(f"{w}: field 'gds_sha256' must be 64 hex digits, got {short(s['gds_sha256'])}")
         if s["set"] not in sets:
-            raise ShardError(f"{where}: shards[{i}] ({s['path']}) belongs to set {s['set']!r}, which is not "
+            raise ShardError(f"{w} ({s['path']}) belongs to set {s['set']!r}, which is not "
                              "listed in the manifest's sets; the manifest was edited or damaged")
+    paths = [p for s in m["shards"] for p in (s["path"], s.get("gds_path")) if p is not None]
+    if len(set(paths)) != len(paths):
+        dup = next(p for p in paths if paths.count(p) > 1)
+        raise ShardError(f"{where}: the path {short(dup)} is listed twice; the manifest was edited or damaged")
     return m
 
 
@@ -176,7 +259,7 @@ def check_files(root: str, shard: dict, *, verify: str = "checksum", fs=None) ->
     ``verify``: ``checksum`` (size and sha256), ``size``, or ``none`` (only that they exist).
     Returns (files, bytes); raises ShardError naming the first bad file."""
     if verify not in VERIFY:
-        raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+        raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
     f, base = resolve(root, fs)
     n = total = 0
     for rel, size, sha in shard_files(shard):
@@ -210,8 +293,12 @@ def check_footer(pf, manifest: dict, path: str, rows: int | None = None) -> None
                          f"{manifest['schema_fingerprint']}; e.g. {diff}): the file is from another shard set; "
                          "copy the set again or rerun preshard with this schema")
     v = (sch.metadata or {}).get(b"userwise.format_version")
-    if v is None or int(v) != int(manifest["format_version"]):
-        raise ShardError(f"{path}: format version {v and v.decode()} differs from the manifest's "
+    try:
+        same = v is not None and int(v) == int(manifest["format_version"])
+    except ValueError:  # a damaged footer
+        same = False
+    if not same:
+        raise ShardError(f"{path}: format version {v and v.decode(errors='replace')} differs from the manifest's "
                          f"{manifest['format_version']}")
     if rows is not None and pf.metadata.num_rows != int(rows):
         raise ShardError(f"{path}: {pf.metadata.num_rows} rows, the manifest says {rows}; the file is from "

@@ -29,12 +29,23 @@
 - ``dest/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
   first and written last: a half-staged folder has none, and the loader
   refuses it.
+- Hostile manifests (docs/security.md): every path the manifest holds is checked before
+  anything is touched (:func:`~userwise.pipelines.shards.manifest.safe_relpath`: relative,
+  normalised, no ``..``, no scheme), and so are its fields' types; a target is written only
+  inside ``dest`` after resolving the symlinks in its folders, a local source only inside the
+  shard set's root; ``.part`` files are opened without following links; every source file's
+  size is checked against the manifest before the first byte is written.
+- One stage per destination: ``dest/.stage.lock`` (an ``flock``, released by the kernel
+  when the process dies, so a killed stage's lock is taken over by the next) refuses a
+  second concurrent stage, naming the first's process.
 
 No Spark here: trainers run this.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -48,6 +59,7 @@ import pyarrow.fs as pafs
 
 from userwise.pipelines import console
 from userwise.pipelines.errors import ShardError
+from userwise.pipelines.records.writer_lock import FolderLock
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.shards import manifest as mf
 from userwise.schemas import FORMAT_VERSION
@@ -205,32 +217,95 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
     items = [f for s in mf.node_shards(m, node) for f in mf.shard_files(s)]
     if not items:
         raise ShardError(f"{shards}: the manifest lists no shards for node {node}")
+    local_src = isinstance(src_fs, pafs.LocalFileSystem)
+    if local_src:  # a source path must stay inside the shard set's root, links resolved
+        src_root = os.path.realpath(src_base)
+        for rel, _, _ in items:
+            _inside(src_root, os.path.realpath(os.path.join(src_base, rel)), f"{shards}: {rel}", "the shard set's root")
     dest = os.path.abspath(dest)
+    existed = os.path.isdir(dest)
     os.makedirs(dest, exist_ok=True)
+    try:
+        with FolderLock(os.path.join(dest, LOCK), "stage", what=f"node {node} of {shards}"):
+            return _stage_locked(m, items, src_fs, src_base, shards, node, dest, workers=workers,
+                                 limit_mbps=limit_mbps, out=out, range_bytes=range_bytes, retries=retries,
+                                 backoff=backoff)
+    except BaseException:
+        if not existed:  # a refusal leaves no empty destination behind (a copy under way keeps its files)
+            with contextlib.suppress(OSError):
+                os.rmdir(dest)
+        raise
+
+
+LOCK = ".stage.lock"
+
+
+def _inside(root: str, path: str, what: str, where: str) -> None:
+    if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
+        raise ShardError(f"{what}: resolves to {path}, outside {where} ({root}) through a symbolic link; "
+                         "refused before anything was written: remove the link")
+
+
+def _target(dest: str, rel: str) -> str:
+    """The local path of ``rel`` in ``dest``: refused unless its folder, symlinks resolved, is in ``dest``."""
+    final = os.path.join(dest, rel)
+    _inside(os.path.realpath(dest), os.path.realpath(os.path.dirname(final)), f"{dest}: {rel}", "the destination")
+    return final
+
+
+def _open_part(part: str, flags: int) -> int:
+    """Open a ``.part`` for writing without following a link: a link there is removed first
+    (the name is stage's own), and O_NOFOLLOW refuses one that appears in between."""
+    if os.path.islink(part):
+        os.unlink(part)
+    try:
+        return os.open(part, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ShardError(f"{part}: a symbolic link appeared while stage ran; refused: remove it") from None
+        raise
+
+
+def _stage_locked(m: dict, items: list, src_fs, src_base: str, shards: str, node: int, dest: str, *, workers: int,
+                  limit_mbps: float | None, out, range_bytes: int, retries: int, backoff: float) -> dict:
     _check_dest_manifest(dest, m, node)
+    finals = {rel: _target(dest, rel) for rel, _, _ in items}
     dman = os.path.join(dest, mf.MANIFEST)
-    if os.path.exists(dman):
+    if os.path.lexists(dman):
         os.remove(dman)
 
     # 1. what is already there and verified
     pending, skipped = [], 0
     for rel, size, sha in items:
-        final = os.path.join(dest, rel)
-        if os.path.isfile(final):
+        final = finals[rel]
+        if os.path.islink(final):  # not a file stage wrote: the link goes, its target stays
+            os.unlink(final)
+        elif os.path.isfile(final):
             if os.path.getsize(final) == size and mf.file_sha256(final) == sha:
                 skipped += 1
                 continue
             os.remove(final)
         pending.append((rel, size, sha))
 
+    # every source file as the manifest lists it, before a byte is written
+    if pending:
+        infos = src_fs.get_file_info([mf.join(src_base, rel) for rel, _, _ in pending])
+        for (rel, size, _), info in zip(pending, infos):
+            if info.type == pafs.FileType.NotFound:
+                raise ShardError(f"{info.path}: the manifest lists this file but it is missing: the shard set is "
+                                 "incomplete or was changed after preshard; rerun `userwise preshard`")
+            if info.type != pafs.FileType.File or info.size != size:
+                raise ShardError(f"{info.path}: {info.size} bytes, the manifest says {size}: the source file was "
+                                 "changed after preshard, or the manifest was edited; rerun `userwise preshard`")
+
     # 2. room for the rest, before copying anything
     need = 0
     for rel, size, _ in pending:
-        part = os.path.join(dest, rel) + ".part"
+        part = finals[rel] + ".part"
         if size > range_bytes:
             have = sum(min(range_bytes, size - r * range_bytes) for r in _ranges_done(part, size, range_bytes))
         else:
-            have = os.path.getsize(part) if os.path.isfile(part) else 0
+            have = os.path.getsize(part) if os.path.isfile(part) and not os.path.islink(part) else 0
         need += size - min(have, size)
     free = disk_free(dest)
     if free < need + MARGIN:
@@ -267,11 +342,11 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
     big = {}  # rel -> [ranges left, lock, size, sha]
 
     def one_range(rel: str, size: int, sha: str, r: int) -> None:
-        final = os.path.join(dest, rel)
+        final = finals[rel]
         part = final + ".part"
         src_path = mf.join(src_base, rel)
         start, end = r * range_bytes, min(size, (r + 1) * range_bytes)
-        fd = os.open(part, os.O_WRONLY)
+        fd = _open_part(part, os.O_WRONLY)
         try:
             with open_src(src_path) as src:
                 src.seek(start)
@@ -298,7 +373,7 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
             last = not state[0]
         if not last:
             return
-        with open(part, "rb") as f:
+        with os.fdopen(_open_part(part, os.O_RDONLY), "rb") as f:
             h, n = mf.hash_stream(f)
         if n != size or h.hexdigest() != sha:
             os.remove(part)
@@ -310,20 +385,21 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
         finish_file(rel, part, final)
 
     def one(rel: str, size: int, sha: str) -> None:
-        final = os.path.join(dest, rel)
+        final = finals[rel]
         os.makedirs(os.path.dirname(final), exist_ok=True)
         part = final + ".part"
         for attempt in (0, 1):
             offset = 0
             h = hashlib.sha256()
-            if attempt == 0 and os.path.isfile(part) and os.path.getsize(part) <= size:
-                with open(part, "rb") as f:
+            if attempt == 0 and os.path.isfile(part) and not os.path.islink(part) and os.path.getsize(part) <= size:
+                with os.fdopen(_open_part(part, os.O_RDONLY), "rb") as f:
                     h, offset = mf.hash_stream(f)
                 if offset:
                     resumed.append(rel)
             src_path = mf.join(src_base, rel)
             src = open_src(src_path)
-            with src, open(part, "ab" if offset else "wb") as dst:
+            mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if offset else os.O_TRUNC)
+            with src, os.fdopen(_open_part(part, mode), "ab" if offset else "wb") as dst:
                 if offset:
                     src.seek(offset)
                 while not stop.is_set():
@@ -352,13 +428,13 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
         if size <= range_bytes:
             tasks.append((one, (rel, size, sha)))
             continue
-        part = os.path.join(dest, rel) + ".part"
+        part = finals[rel] + ".part"
         os.makedirs(os.path.dirname(part), exist_ok=True)
         done = _ranges_done(part, size, range_bytes)
         if done:
             resumed.append(rel)
         else:
-            with open(part, "wb") as f:
+            with os.fdopen(_open_part(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
                 f.truncate(size)
             _remove_ranges(part)
         left = set(range(-(-size // range_bytes))) - done
@@ -393,7 +469,7 @@ def _ranges_path(part: str) -> str:
 def _ranges_done(part: str, size: int, range_bytes: int) -> set[int]:
     """The ranges of a ranged ``.part`` already copied (empty when it is missing or of another size)."""
     try:
-        if os.path.getsize(part) != size:
+        if os.path.islink(part) or os.path.islink(_ranges_path(part)) or os.path.getsize(part) != size:
             return set()
         with open(_ranges_path(part)) as f:
             rec = json.load(f)
@@ -414,7 +490,7 @@ def _mark_range(part: str, r: int, range_bytes: int) -> None:
     rec["done"] = sorted(set(rec.get("done", [])) | {r})
     rec["range_bytes"] = range_bytes
     tmp = p + ".tmp"
-    with open(tmp, "w") as f:
+    with os.fdopen(_open_part(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
         json.dump(rec, f)
         f.flush()
         os.fsync(f.fileno())

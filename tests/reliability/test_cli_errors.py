@@ -110,15 +110,15 @@ def test_stage_when_the_disk_fills_during_the_copy_then_a_rerun_resumes(shard_se
     """The copy's writes hit a real ENOSPC (/dev/full) after the space check passed."""
     dest = str(tmp_path / "nvme")
     code = textwrap.dedent("""
-        import builtins, sys
+        import os, sys
         from userwise.pipelines.shards import stage
         from userwise.pipelines.cli import main
-        real = builtins.open
-        def full(p, mode="r", *a, **k):
-            if str(p).endswith(".part") and ("w" in mode or "a" in mode):
-                return real("/dev/full", "wb")
-            return real(p, mode, *a, **k)
-        stage.open = full
+        real = stage._open_part
+        def full(part, flags):
+            if flags & os.O_WRONLY:
+                return os.open("/dev/full", os.O_WRONLY)
+            return real(part, flags)
+        stage._open_part = full
         sys.exit(main(sys.argv[1:]))
     """)
     one_error(cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest, code=code), "disk is full")

@@ -113,7 +113,7 @@ def test_requests_jobs_of_different_dates_run_side_by_side_but_not_the_same_date
     with W.WriterLock(out, "build"):
         with pytest.raises(W.LockedError, match="userwise build"):
             W.WriterLock(out, "requests", "2026-01-03").acquire()
-    assert os.listdir(W.lock_dir(out)) == []
+    assert not os.path.exists(out)  # the folders the first job made go with the last lock
 
 
 def _race(out, barrier, results, i):
