@@ -38,9 +38,9 @@ DEFAULTS: dict[str, Any] = {
     "input": "{project_root}/demo/synth/lean",
     "input_partition": "{input}/date={date}",
     "actions": None,
-    "output": "{project_root}/demo/build",
+    "build_dir": "{project_root}/demo/build",
     "shards": "{project_root}/demo/shards",
-    "pretrain_days": 30,
+    "incremental_days": 30,
     "window_days": 1,
     "nodes": 1,
     "ranks_per_node": 1,
@@ -56,10 +56,20 @@ DEFAULTS: dict[str, Any] = {
     "retry_delay_minutes": 2,
 }
 # Keys a run may override (DAG params / the Variable); the rest are fixed at parse time.
-RUN_KEYS = ("config", "input", "input_partition", "actions", "output", "shards", "pretrain_days",
+RUN_KEYS = ("config", "input", "input_partition", "actions", "build_dir", "shards", "incremental_days",
             "window_days", "nodes", "ranks_per_node", "py_files", "jobs", "jars", "packages", "spark_conf")
-# Other names of keys (the command line's vocabulary): incremental_days is M, as --incremental-days.
-ALIASES = {"incremental_days": "pretrain_days", "build_dir": "output"}
+# Old names of keys, accepted for one release with a warning: the keys are the command line's
+# words (build_dir as --build-dir, incremental_days, M, as --incremental-days).
+ALIASES = {"output": "build_dir", "pretrain_days": "incremental_days"}
+
+
+def _new_name(k: str, where: str) -> str:
+    if k in ALIASES:
+        import warnings
+
+        warnings.warn(f"{where}: {k!r} is an old name of {ALIASES[k]!r}; use {ALIASES[k]!r} (the old name goes in the "
+                      "next release)", FutureWarning, stacklevel=3)
+    return ALIASES.get(k, k)
 # Run conf keys that are not settings: the processed day a manual run asks for.
 RUN_ONLY = ("date",)
 
@@ -72,7 +82,7 @@ def _check_keys(layer: dict, where: str, allowed: tuple[str, ...] = ()) -> dict:
     """The layer with aliases resolved; a key that is not a run setting is refused by name."""
     out = {}
     for k, v in layer.items():
-        k = ALIASES.get(k, k)
+        k = _new_name(k, where)
         if k in RUN_KEYS or k in allowed:
             out[k] = v
         elif k in DEFAULTS:
@@ -80,7 +90,7 @@ def _check_keys(layer: dict, where: str, allowed: tuple[str, ...] = ()) -> dict:
                                 f"the settings file ({CONFIG_ENV} or airflow/userwise.yaml), not per run")
         else:
             raise SettingsError(f"{where}: unknown key {k!r}; the keys a run may set are "
-                                f"{sorted(RUN_KEYS + tuple(ALIASES) + allowed)}")
+                                f"{sorted(RUN_KEYS + allowed)}")
     return out
 
 
@@ -92,7 +102,7 @@ def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
     out = dict(DEFAULTS)
     if path.exists():
         got = safe_yaml(path.read_text(), str(path)) or {}
-        got = {ALIASES.get(k, k): v for k, v in got.items()}
+        got = {_new_name(k, str(path)): v for k, v in got.items()}
         unknown = sorted(set(got) - set(DEFAULTS))
         if unknown:
             raise SettingsError(f"{path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
@@ -147,13 +157,13 @@ def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: d
             if k in RUN_KEYS and v is not None and v != "":
                 out[k] = v
     ctx = {"project_root": str(PROJECT_ROOT), "date": day.isoformat()}
-    for k in ("config", "input", "actions", "output", "shards", "py_files", "jobs"):
+    for k in ("config", "input", "actions", "build_dir", "shards", "py_files", "jobs"):
         out[k] = _fmt(out[k], ctx)
     out["input_partition"] = _fmt(out["input_partition"], {**ctx, "input": out["input"]})
-    for k in ("pretrain_days", "window_days", "nodes", "ranks_per_node"):
+    for k in ("incremental_days", "window_days", "nodes", "ranks_per_node"):
         out[k] = int(out[k])
     if out["jars"] == "auto":
-        out["jars"] = _auto_jars(out["input"], out["actions"], out["output"], out["shards"], out["config"])
+        out["jars"] = _auto_jars(out["input"], out["actions"], out["build_dir"], out["shards"], out["config"])
     for k in ("jars", "py_files", "actions"):
         out[k] = out[k] or ""  # "" renders to no --jars / --py-files flag
     conf = {str(k): str(v) for k, v in (file_cfg.get("spark_conf") or {}).items()}
@@ -163,7 +173,7 @@ def resolve(file_cfg: dict, variable: dict | None, run_conf: dict | None, day: d
     out["window_end"] = (day + dt.timedelta(days=1)).isoformat()
     out["as_of"] = (day + dt.timedelta(days=1)).isoformat()
     out["project_root"] = str(PROJECT_ROOT)
-    for k in ("config", "input", "input_partition", "actions", "output", "shards", "jobs"):
+    for k in ("config", "input", "input_partition", "actions", "build_dir", "shards", "jobs"):
         if out[k]:
             out[k] = storage.absolute(out[k])  # a local path made absolute; a URL as it is
     out["incremental_staging"] = publish.staging_root(out["shards"], publish.set_key("incremental", date=day))
@@ -182,7 +192,7 @@ def day_published(st: dict) -> bool:
     """The pretrain sensor's poke: the daily DAG has published the last day to include."""
     from userwise.pipelines.records import published
 
-    return published.read(st["output"], "incremental", st["date"]) is not None
+    return published.read(st["build_dir"], "incremental", st["date"]) is not None
 
 
 def _auto_jars(*paths) -> str | None:

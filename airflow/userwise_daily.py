@@ -53,17 +53,17 @@ def userwise_daily():
     def wait_for_input(st: dict) -> bool:
         return common.input_ready(st)  # on its store: a local folder, hdfs://, s3a://, ...
 
-    day = ["--config", s("config"), "--build-dir", s("output"), "--date", s("date")]
+    day = ["--config", s("config"), "--build-dir", s("build_dir"), "--date", s("date")]
     actions = ["--actions", s("actions")] if CFG.get("actions") else []
     requests = common.spark_task("requests", "requests", [*day, "--input", s("input"), *actions], CFG)
     history = common.spark_task("history", "history", day, CFG, depends_on_past=True)
     window = common.spark_task("window", "window", [*day, "--window-days", s("window_days")], CFG)
     preshard = common.spark_task("preshard", "preshard", [
-        "--build-dir", s("output"), "--shards", s("incremental_staging"), "--nodes", s("nodes"),
+        "--build-dir", s("build_dir"), "--shards", s("incremental_staging"), "--nodes", s("nodes"),
         "--ranks-per-node", s("ranks_per_node"), "--kind", "incremental", "--window", s("window_end"),
         "--window-days", s("window_days")], CFG)
     publish = common.spark_task("publish", "publish", [
-        "--build-dir", s("output"), "--shards", s("shards"), "--date", s("date"),
+        "--build-dir", s("build_dir"), "--shards", s("shards"), "--date", s("date"),
         "--window-days", s("window_days")], CFG)
 
     st = settings()

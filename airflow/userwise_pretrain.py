@@ -5,7 +5,7 @@
 Runs monthly (the interval [1st of month, 1st of next month) is processed with
 as-of = the interval's end) or on demand: trigger with conf
 ``{"date": "YYYY-MM-DD"}`` (the last day to include; as-of is the day after)
-and optionally ``{"pretrain_days": M}``. ``wait_for_daily`` waits until the
+and optionally ``{"incremental_days": M}``. ``wait_for_daily`` waits until the
 daily DAG has published that last day, so pretrain never reads a half-built
 requests table. Pretrain takes requests before as-of minus M days.
 """
@@ -31,7 +31,7 @@ s = common.s
     catchup=False,
     max_active_runs=1,
     default_args=common.default_args(CFG),
-    params={"date": None, "pretrain_days": int(CFG["pretrain_days"])},
+    params={"date": None, "incremental_days": int(CFG["incremental_days"])},
     tags=["userwise"],
     doc_md=__doc__,
 )
@@ -46,13 +46,13 @@ def userwise_pretrain():
         return common.day_published(st)  # the day's record in the build folder, on its store
 
     pretrain = common.spark_task("pretrain", "pretrain", [
-        "--config", s("config"), "--build-dir", s("output"), "--as-of", s("as_of"),
-        "--incremental-days", s("pretrain_days")], CFG)
+        "--config", s("config"), "--build-dir", s("build_dir"), "--as-of", s("as_of"),
+        "--incremental-days", s("incremental_days")], CFG)
     preshard = common.spark_task("preshard", "preshard", [
-        "--build-dir", s("output"), "--shards", s("pretrain_staging"), "--nodes", s("nodes"),
+        "--build-dir", s("build_dir"), "--shards", s("pretrain_staging"), "--nodes", s("nodes"),
         "--ranks-per-node", s("ranks_per_node"), "--kind", "pretrain"], CFG)
     publish = common.spark_task("publish", "publish", [
-        "--build-dir", s("output"), "--shards", s("shards"), "--kind", "pretrain", "--as-of", s("as_of")], CFG)
+        "--build-dir", s("build_dir"), "--shards", s("shards"), "--kind", "pretrain", "--as-of", s("as_of")], CFG)
 
     st = settings()
     wait_for_daily(st) >> pretrain >> preshard >> publish

@@ -3,20 +3,27 @@
 Each subcommand's handler lives in its own module and is imported only when that
 subcommand runs, so ``userwise --help`` and the loader's commands start without Spark.
 
-One vocabulary across commands (the older names still work as aliases):
+One name per concept across commands; each shared flag is defined once below, with one
+help text and one placeholder:
 
-| concept | flag | older names |
-|---|---|---|
-| the build folder (Delta tables + ``_userwise/``) | ``--build-dir D`` | ``--output`` (build, the daily jobs, backfill, forget, publish), ``--samples`` (expand, preshard) |
-| a shard set's root | ``--shards S`` | ``--output`` (preshard) |
-| one node's staged copy on local disk | ``--staged DIR`` | ``--dest`` (stage), ``--shards`` (diagnose) |
-| the exclusive cut-off date | ``--as-of T`` | ``--date`` (pretrain) |
-| the processed UTC day of a daily job | ``--date D`` | |
-| M, the last days cut into incremental windows | ``--incremental-days M`` | ``--pretrain-days`` |
+| concept | flag |
+|---|---|
+| the build folder (Delta tables + ``_userwise/``) | ``--build-dir D`` |
+| a shard set's root | ``--shards S`` |
+| one node's staged copy on local disk | ``--staged DIR`` |
+| the exclusive cut-off date | ``--as-of T`` |
+| the processed UTC day of a daily job | ``--date YYYY-MM-DD`` |
+| M, the last days cut into incremental windows | ``--incremental-days M`` |
+| N, days per incremental window | ``--window-days N`` |
+
+The older names of some of these (``--output`` for ``--build-dir``, ``--samples``,
+``--dest``, ``--pretrain-days``, ...: :data:`OLD_NAMES`) still work for one release: they are
+not shown in ``--help`` and print a warning naming the new flag.
 
 Every command takes ``--json`` (its report as one JSON object on stdout; default: text) and
 ``--quiet`` (no progress on stderr). Errors a user can fix print one line (``error: ...``) and
-exit 2; a failed Spark job exits 3; an internal error 1 (:mod:`userwise.pipelines.console`).
+exit 2; a failed Spark job exits 3 (only commands that run Spark); an internal error 1
+(:mod:`userwise.pipelines.console`). Each command's ``--help`` ends with the codes it can give.
 """
 
 from __future__ import annotations
@@ -65,6 +72,37 @@ def _conf(s: str) -> tuple[str, str]:
     return k.strip(), v
 
 
+# -- old names ---------------------------------------------------------------------------
+# (command, old flag) -> the flag that replaced it. Old names still parse for one release,
+# hidden from --help, with a warning on stderr naming the new flag.
+OLD_NAMES = {
+    **{(c, "--output"): "--build-dir" for c in ("build", "requests", "history", "window", "pretrain", "backfill",
+                                                "forget", "publish")},
+    ("expand", "--samples"): "--build-dir", ("preshard", "--samples"): "--build-dir",
+    ("preshard", "--output"): "--shards", ("expand", "--output"): "--expanded",
+    ("stage", "--dest"): "--staged", ("diagnose", "--shards"): "--staged",
+    ("pretrain", "--date"): "--as-of",
+    **{(c, "--pretrain-days"): "--incremental-days" for c in ("build", "pretrain", "backfill")},
+}
+
+
+class _Flag(argparse._StoreAction):
+    """A flag with hidden old names: ``--help`` shows its first option string only; an old
+    name still sets it, with a warning on stderr naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string and option_string != self.option_strings[0]:
+            print(f"[userwise] warning: {option_string} is an old name of {self.option_strings[0]} here; use "
+                  f"{self.option_strings[0]} (the old name goes in the next release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _flag(p, name: str, **kw):
+    """Add ``name`` with the old names :data:`OLD_NAMES` lists for this command."""
+    old = [o for (cmd, o), new in OLD_NAMES.items() if cmd == p.prog.split()[-1] and new == name]
+    p.add_argument(name, *old, action=_Flag, **kw)
+
+
 # -- the shared flags (one name per concept) -----------------------------------------
 INPUT_HELP = ("the impression log: a Delta table, a Parquet file, a folder of Parquet files (hive partitions "
               "or not), a glob, or a comma-separated list of these; local or any URL Spark reads")
@@ -78,34 +116,56 @@ def _config(p, required=True):
 
 def _input(p, required=True, actions=True):
     p.add_argument("--input", required=required, metavar="P", help=INPUT_HELP)
-    p.add_argument("--input-version", type=_nonneg_int, metavar="N",
+    p.add_argument("--input-version", type=_nonneg_int, metavar="VERSION",
                    help="read the Delta input(s) as of this table version (time travel; same as <table>@v<N>)")
     if actions:
         p.add_argument("--actions", metavar="A", help="an optional separate action log (same forms as --input), "
                                                       "mapped by columns.actions")
 
 
-def _build_dir(p, *aliases, help=BUILD_DIR_HELP):
-    p.add_argument("--build-dir", *aliases, dest="build_dir", required=True, metavar="D", help=help)
+def _build_dir(p):
+    _flag(p, "--build-dir", dest="build_dir", required=True, metavar="D", help=BUILD_DIR_HELP)
 
 
-def _shards(p, *aliases, required=True, help="the shard set's root: a local path or a store's URL"):
-    p.add_argument("--shards", *aliases, dest="shards", required=required, metavar="S", help=help)
+SHARDS_HELP = "a shard set's root (node=K/ folders and manifest.json): a local path or a store's URL"
 
 
-def _staged(p, *aliases, help="one node's staged copy on local disk (what `userwise stage` writes)"):
-    p.add_argument("--staged", *aliases, dest="staged", required=True, metavar="DIR", help=help)
+def _shards(p, required=True, note="", append=False):
+    if append:
+        p.add_argument("--shards", action="append", metavar="S", help=SHARDS_HELP + note)
+    else:
+        _flag(p, "--shards", dest="shards", required=required, metavar="S", help=SHARDS_HELP + note)
+
+
+def _staged(p):
+    _flag(p, "--staged", dest="staged", required=True, metavar="DIR",
+          help="one node's staged copy on local disk (what `userwise stage` writes)")
 
 
 def _incremental_days(p, required=True, default=None):
-    p.add_argument("--incremental-days", "--pretrain-days", dest="incremental_days", type=_nonneg_int,
-                   required=required, default=default, metavar="M",
-                   help="M: the last M days before as-of are cut into incremental windows; "
-                        "older requests are the pretrain samples")
+    _flag(p, "--incremental-days", dest="incremental_days", type=_nonneg_int, required=required, default=default,
+          metavar="M", help="M: the last M days before as-of are cut into incremental windows; "
+                            "older requests are the pretrain samples")
 
 
-def _window_days(p, default=None, help="N: days per incremental window (N divides M; 1: daily)"):
-    p.add_argument("--window-days", type=_pos_int, default=default, metavar="N", help=help)
+def _window_days(p, default=None, note=""):
+    p.add_argument("--window-days", type=_pos_int, default=default, metavar="N",
+                   help="N: days per incremental window (N divides M; 1: daily); a job given --date takes the "
+                        "window of the N days ending with that date" + note)
+
+
+def _date_flag(p, required=True, note=""):
+    _flag(p, "--date", required=required, type=_date, metavar="YYYY-MM-DD", help="the UTC day to process" + note)
+
+
+def _as_of(p, required=True):
+    _flag(p, "--as-of", dest="as_of", required=required, type=_date, metavar="T",
+          help="T, the exclusive UTC cut-off date: requests before T are built, later ones wait for a later "
+               "build; pretrain samples hold the requests before T minus M days")
+
+
+def _seed(p, what: str):
+    p.add_argument("--seed", type=int, default=0, metavar="SEED", help=f"the seed of {what}")
 
 
 def _spark(p):
@@ -123,32 +183,31 @@ def _synth_args(p):
     p.add_argument("--output", required=True, metavar="DIR",
                    help="where the logs go: lean/, fat/, actions/ and config*.yaml")
     p.add_argument("--start", type=_date, default="2026-01-01", metavar="YYYY-MM-DD", help="first UTC day")
-    p.add_argument("--days", type=_pos_int, default=3, help="days of log")
-    p.add_argument("--users", type=_pos_int, default=200, help="users (a bot user among them)")
-    p.add_argument("--items", type=_pos_int, default=5000, help="distinct items")
-    p.add_argument("--impressions", type=_pos_int, default=None,
+    p.add_argument("--days", type=_pos_int, default=3, metavar="DAYS", help="days of log")
+    p.add_argument("--users", type=_pos_int, default=200, metavar="COUNT", help="users (a bot user among them)")
+    p.add_argument("--items", type=_pos_int, default=5000, metavar="COUNT", help="distinct items")
+    p.add_argument("--impressions", type=_pos_int, default=None, metavar="COUNT",
                    help="target impressions in total (overrides --users)")
     p.add_argument("--max-seq-len", type=_pos_int, default=50, metavar="L",
                    help="L for the fat rows' snapshots and the config")
     p.add_argument("--format", choices=["parquet", "delta"], default="parquet", help="how the logs are written")
-    p.add_argument("--kinds", default="lean,fat,actions", help="comma list of lean, fat, actions")
+    p.add_argument("--kinds", default="lean,fat,actions", metavar="KINDS", help="comma list of lean, fat, actions")
     p.add_argument("--bad-rows", type=float, default=0.0, metavar="SHARE",
                    help="share of malformed rows to inject (for tests)")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
+    _seed(p, "the synthetic log")
 
 
 def _validate_args(p):
     _config(p)
     _input(p)
-    p.add_argument("--sample-rows", type=_pos_int, default=10000, metavar="N", help="rows read for the warnings")
+    p.add_argument("--sample-rows", type=_pos_int, default=10000, metavar="ROWS", help="rows read for the warnings")
 
 
 def _build_args(p):
     _config(p)
     _input(p)
-    _build_dir(p, "--output")
-    p.add_argument("--as-of", required=True, type=_date, metavar="T",
-                   help="the exclusive UTC cut-off date: requests before T are built, later ones are left")
+    _build_dir(p)
+    _as_of(p)
     _incremental_days(p)
     _window_days(p, default=1)
     p.add_argument("--report", metavar="R.json", help="also write the report as JSON to this file (or URL)")
@@ -159,117 +218,122 @@ def _day_args(p, needs_input=True):
     _config(p)
     if needs_input:
         _input(p)
-    _build_dir(p, "--output")
-    p.add_argument("--date", required=True, type=_date, metavar="YYYY-MM-DD", help="the UTC day to process")
+    _build_dir(p)
+    _date_flag(p)
     _spark(p)
 
 
 def _window_args(p):
     _day_args(p, needs_input=False)
-    _window_days(p, default=1, help="N: the window is the N days ending with --date")
+    _window_days(p, default=1)
 
 
 def _pretrain_args(p):
     _config(p)
-    _build_dir(p, "--output")
-    p.add_argument("--as-of", "--date", dest="as_of", required=True, type=_date, metavar="T",
-                   help="the exclusive cut-off: pretrain samples hold the requests before T minus M days")
+    _build_dir(p)
+    _as_of(p)
     _incremental_days(p)
     _spark(p)
 
 
 def _expand_args(p):
-    _build_dir(p, "--samples", help=BUILD_DIR_HELP + " (or its samples table)")
-    p.add_argument("--expanded", "--output", dest="expanded", required=True, metavar="P",
-                   help="the Parquet folder for the point-wise rows")
+    _build_dir(p)
+    _flag(p, "--expanded", dest="expanded", required=True, metavar="P",
+          help="the Parquet folder for the point-wise rows")
     p.add_argument("--max-seq-len", type=_pos_int, metavar="L'", help="L' <= the build's L (default: the build's L)")
     p.add_argument("--kind", choices=["incremental", "pretrain"], help="only this kind (default: both)")
     _spark(p)
 
 
 def _preshard_args(p):
-    _build_dir(p, "--samples")
-    _shards(p, "--output", help="the shard set's root to write: a local path or a store's URL")
-    p.add_argument("--nodes", required=True, type=_pos_int, help="training nodes: a node=<k>/ folder each")
-    p.add_argument("--ranks-per-node", required=True, type=_pos_int, help="ranks (GPUs) per node, balanced by cost")
+    _build_dir(p)
+    _shards(p, note=" (written)")
+    _nodes(p, required=True, default=None)
     p.add_argument("--kind", choices=["incremental", "pretrain"], help="only this kind (default: every kind)")
     p.add_argument("--window", type=_date, metavar="YYYY-MM-DD",
                    help="one incremental window, by its end date (exclusive) (default: every window)")
-    _window_days(p, default=None, help="N, for a --window that holds no samples (an empty set is published) "
-                                       "(default: the build's, else 1)")
+    _window_days(p, default=None, note=" (here: for a --window that holds no samples, an empty set is published; "
+                                       "default: the build's N, else 1)")
     p.add_argument("--target-shard-mb", type=float, default=256.0, metavar="MB", help="shard size to aim at")
-    p.add_argument("--row-group-rows", type=_pos_int, default=2048, metavar="N", help="samples per row group, at most")
+    p.add_argument("--row-group-rows", type=_pos_int, default=2048, metavar="ROWS", help="samples per row group, at most")
     p.add_argument("--row-group-mb", type=float, default=128.0, metavar="MB",
                    help="also cut a row group at this much (estimated uncompressed) data")
-    p.add_argument("--compression", default="zstd", help="zstd | none | snappy (all columns), or col=codec,...")
+    p.add_argument("--compression", default="zstd", metavar="CODECS",
+                   help="zstd | none | snappy (all columns), or col=codec,...")
     p.add_argument("--dictionary", choices=["all", "scalars"], default="all",
                    help="dictionary-encode every column, or only the scalar ones (lists plain)")
     p.add_argument("--layout", choices=["parquet", "gds"], default="parquet",
                    help="gds: also a raw side file per shard for GPUDirect Storage reads")
-    p.add_argument("--seed", type=int, default=0, help="seed of the balanced assignment and the in-shard order")
+    _seed(p, "the balanced assignment and the in-shard order")
     _spark(p)
 
 
 def _publish_args(p):
-    _build_dir(p, "--output")
-    _shards(p, required=False, help="the shard root S; the set is staged under S/_staging/<kind>/<date> "
+    _build_dir(p)
+    _shards(p, required=False, note="; the set was pre-sharded under S/_staging/<kind>/<date> "
                                     "(default: publish the tables' versions without shards)")
     p.add_argument("--kind", choices=["incremental", "pretrain"], default="incremental", help="which set")
-    p.add_argument("--date", type=_date, metavar="YYYY-MM-DD", help="the processed UTC day (incremental)")
-    p.add_argument("--as-of", type=_date, metavar="T", help="the pretrain set's as-of date (pretrain)")
-    _window_days(p, default=1, help="N: the window is the N days ending with --date")
+    _date_flag(p, required=False, note=" (here: of an incremental set)")
+    _as_of(p, required=False)
+    _window_days(p, default=1)
     p.add_argument("--master", help=argparse.SUPPRESS)  # spark-submit passes it; publish needs no Spark
 
 
 def _stage_args(p):
-    _shards(p, help="the shard set's root: a local path or any store URL (hdfs://, s3://, gs://, ...)")
-    p.add_argument("--node", required=True, type=_nonneg_int, metavar="K", help="the node to stage")
-    _staged(p, "--dest", help="the local folder (NVMe) for node K's copy")
-    p.add_argument("--workers", type=_pos_int, default=8, help="parallel copy streams")
+    _shards(p)
+    p.add_argument("--node", required=True, type=_nonneg_int, metavar="K", help="the node to stage (0-based)")
+    _staged(p)
+    p.add_argument("--workers", type=_pos_int, default=8, metavar="COUNT", help="parallel copy streams")
     p.add_argument("--limit-mbps", type=float, default=None, metavar="MB/S",
                    help="cap the copy rate over all workers, e.g. to spare a shared network (default: no cap)")
     p.add_argument("--range-mb", type=float, default=64.0, metavar="MB",
                    help="copy files larger than this as parallel ranges of this size (several streams per file)")
-    p.add_argument("--retries", type=_nonneg_int, default=4, metavar="N",
+    p.add_argument("--retries", type=_nonneg_int, default=4, metavar="COUNT",
                    help="retries of a failed read, with exponential backoff, before the node fails")
 
 
 def _diagnose_args(p):
-    _staged(p, "--shards")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="(default: cuda if available)")
-    p.add_argument("--batch-size", type=_pos_int, default=64, help="samples per batch")
-    p.add_argument("--batches", type=_pos_int, default=50, help="batches per step of the test")
+    _staged(p)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the batches go (default: cuda if available, else cpu)")
+    p.add_argument("--batch-size", type=_pos_int, default=64, metavar="SAMPLES", help="samples per batch")
+    p.add_argument("--batches", type=_pos_int, default=50, metavar="COUNT", help="batches per step of the test")
 
 
 def _backfill_args(p):
-    p.add_argument("--from", dest="date_from", required=True, type=_date, metavar="D1",
+    p.add_argument("--from", dest="date_from", required=True, type=_date, metavar="YYYY-MM-DD",
                    help="the first UTC day to process")
-    p.add_argument("--to", dest="date_to", required=True, type=_date, metavar="D2",
+    p.add_argument("--to", dest="date_to", required=True, type=_date, metavar="YYYY-MM-DD",
                    help="the last UTC day to process (inclusive)")
     _config(p)
     _input(p)
-    _build_dir(p, "--output")
-    _shards(p, required=False, help="the shard root to pre-shard and publish each day into (default: none)")
+    _build_dir(p)
+    _shards(p, required=False, note=" to pre-shard and publish each day into (default: none)")
     _incremental_days(p, required=False, default=30)
-    _window_days(p, default=1, help="N: each day's window is the N days ending with it")
-    p.add_argument("--nodes", type=_pos_int, default=1, help="training nodes of each day's shard set")
-    p.add_argument("--ranks-per-node", type=_pos_int, default=1, help="ranks per node of each day's shard set")
+    _window_days(p, default=1)
+    _nodes(p, required=False, default=1)
     p.add_argument("--force", action="store_true", help="rebuild days already published")
     _spark(p)
 
 
 def _forget_args(p):
-    _build_dir(p, "--output")
+    _build_dir(p)
     p.add_argument("--users", required=True, metavar="FILE",
                    help="text file: one user id per line (as the build's user column holds it; "
                         "blank lines and lines starting with # are skipped)")
-    p.add_argument("--shards", action="append", metavar="S",
-                   help="a shard set root, or a folder of shard sets (published, staged): every set below it "
-                        "that holds the users is rewritten without them; repeatable (default: none)")
+    _shards(p, append=True, note="; here also a folder of shard sets (published, staged): every set below it "
+                                 "that holds the users is rewritten without them; repeatable (default: none)")
     p.add_argument("--vacuum", action="store_true",
                    help="also delete the tables' older files from disk (Delta VACUUM, retention 0): "
                         "time travel to earlier versions ends")
     _spark(p)
+
+
+def _nodes(p, *, required: bool, default):
+    p.add_argument("--nodes", required=required, default=default, type=_pos_int, metavar="NODES",
+                   help="training nodes: a node=K/ folder each")
+    p.add_argument("--ranks-per-node", required=required, default=default, type=_pos_int, metavar="RANKS",
+                   help="ranks (GPUs) per node, balanced by cost")
 
 
 def _ship_args(p):
@@ -322,13 +386,19 @@ COMMANDS = {
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Help with every flag's default (where it has one) and ``(required)`` on required flags."""
 
+    def _format_action_invocation(self, action):
+        if isinstance(action, _Flag) and len(action.option_strings) > 1:  # old names stay hidden
+            return f"{action.option_strings[0]} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+        return super()._format_action_invocation(action)
+
     def _get_help_string(self, action):
         h = action.help or ""
         if action.help is argparse.SUPPRESS or not action.option_strings:
             return h
         if action.required:
             return f"{h} (required)"
-        if action.default not in (None, False, [], argparse.SUPPRESS) and "(default" not in h:
+        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and action.default != [] \
+                and "(default" not in h:
             return f"{h} (default: %(default)s)"
         return h
 
@@ -353,6 +423,12 @@ def version() -> str:
 EPILOG = "exit codes: " + "; ".join(f"{k} {v}" for k, v in console.EXIT_CODES.items())
 
 
+def epilog(spark: bool) -> str:
+    """The exit codes a command can give: 3 only where it runs Spark."""
+    return "exit codes: " + "; ".join(f"{k} {v}" for k, v in console.EXIT_CODES.items()
+                                      if spark or k != console.EXIT_SPARK)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="userwise",
@@ -366,8 +442,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
     sub.required = True
     for name, (help_, build, _) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_, epilog=EPILOG)
+        sp = sub.add_parser(name, help=help_, description=help_)
         build(sp)
+        sp.epilog = epilog(any(a.dest == "conf" for a in sp._actions))
         sp.add_argument("--json", action="store_true", help="the report as one JSON object on stdout (default: text)")
         sp.add_argument("--quiet", action="store_true",
                         help="no progress on stderr (the report on stdout and errors stay)")

@@ -1,6 +1,6 @@
 """``userwise forget``: remove users from a build folder and from its shard sets.
 
-    userwise forget --output D --users FILE [--shards S ...] [--vacuum]
+    userwise forget --build-dir D --users FILE [--shards S ...] [--vacuum]
 
 ``FILE`` holds one user id per line (blank lines and lines starting with ``#`` are
 skipped), written as the build's user column holds them (``42``, or ``u-42`` for a

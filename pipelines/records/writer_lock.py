@@ -261,7 +261,7 @@ WRITERS = {"build": "exclusive", "backfill": "exclusive", "history": "exclusive"
 
 
 def for_command(command: str, args) -> WriterLock | None:
-    """The lock a CLI command takes on its ``--output``, or None for commands that write no build folder."""
+    """The lock a CLI command takes on its ``--build-dir``, or None for commands that write no build folder."""
     if command not in WRITERS or not getattr(args, "build_dir", None):
         return None
     return WriterLock(args.build_dir, command, getattr(args, "date", None) if WRITERS[command] == "per-date" else None)

@@ -203,11 +203,15 @@ def ensure(verbose: bool = True, try_ivy: bool = True) -> list[str]:
 
 
 def cli(args) -> int:
+    """``userwise jars``: one jar path per line (what ``--jars`` takes, joined by commas), or
+    with ``--json`` ``{"jars": [...]}``."""
+    from userwise.pipelines import console
+
     try:
-        for p in ensure(verbose=True):
-            print(p)
+        paths = ensure(verbose=True)
     except JarsError as e:
         from userwise.pipelines.errors import UserwiseError
 
         raise UserwiseError(str(e)) from None
+    console.emit({"jars": list(paths)}, lambda rep: "\n".join(rep["jars"]))
     return 0

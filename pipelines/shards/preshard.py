@@ -1,6 +1,6 @@
 """Pre-shard user-wise samples into balanced per-node Parquet shard sets.
 
-``userwise preshard --samples D --output S --nodes K --ranks-per-node R``
+``userwise preshard --build-dir D --shards S --nodes K --ranks-per-node R``
 reads the Delta table ``D/samples`` at its current version and writes
 ``S/node=<k>/shard-<NNNNN>.parquet`` (+ ``.gds`` with ``--layout gds``) and,
 last, ``S/manifest.json`` (docs/shard-format.md is the contract).
@@ -125,12 +125,12 @@ def _prepare_output(output: str) -> None:
         fs.create_dir(base, recursive=True)
         return
     if info.type != pafs.FileType.Directory:
-        raise UserwiseError(f"--output {output}: exists and is not a folder")
+        raise UserwiseError(f"--shards {output}: exists and is not a folder")
     entries = fs.get_file_info(pafs.FileSelector(base))
     names = [os.path.basename(e.path) for e in entries]
     foreign = [n for n in names if not (n == mf.MANIFEST or n.startswith("node=") or n.startswith("."))]
     if foreign:
-        raise UserwiseError(f"--output {output}: holds {foreign[:3]}, which is not a shard set; "
+        raise UserwiseError(f"--shards {output}: holds {foreign[:3]}, which is not a shard set; "
                             "choose an empty or new folder")
     if mf.MANIFEST in names:
         fs.delete_file(mf.join(base, mf.MANIFEST))
@@ -314,14 +314,14 @@ def assign_spark(keys, *, slots: int, ranks_per_node: int, seed: int):
 
 
 def samples_table(samples: str) -> tuple[str, str]:
-    """(build folder, samples table path) from --samples (the build folder or its samples table)."""
+    """(build folder, samples table path) from --build-dir (the build folder or its samples table)."""
     d = storage.absolute(samples)
     if delta_io.has_log(storage.join(d, "samples")):
         return d, storage.join(d, "samples")
     if delta_io.has_log(d):
         return d.rsplit("/", 1)[0], d
     state.complete_state(d)  # a build that died before writing samples is named, not a missing table
-    raise InputError(f"--samples {samples}: no Delta table at {d}/samples; pass the output folder of "
+    raise InputError(f"--build-dir {samples}: no Delta table at {d}/samples; pass the output folder of "
                      "`userwise build`")
 
 

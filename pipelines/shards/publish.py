@@ -138,7 +138,7 @@ def move_into_place(staging: str, final: str) -> str:
             raise ShardError(f"{staging}: could not move the staged set to {final} ({e}); publish again") from None
     elif not storage.exists(storage.join(final, mf.MANIFEST)):
         raise ShardError(f"{staging}: no staged shard set and none published at {final}; "
-                         "run `userwise preshard --output " + staging + "` first")
+                         "run `userwise preshard --shards " + staging + "` first")
     for i in fs.get_file_info(pafs.FileSelector(parent)):
         if i.base_name.startswith(name + ".old-") and i.type == pafs.FileType.Directory:
             _rmtree(final[: len(final) - len(name)] + i.base_name)

@@ -148,22 +148,22 @@ def _run(a, out: str, base: str | None, conf: dict[str, str]) -> int:
     lean = storage.join(where, "build")
     step("2. build user-wise samples from the lean log + action log",
          ["build", "--config", storage.join(logs, "config.yaml"), "--input", storage.join(logs, "lean"),
-          "--actions", storage.join(logs, "actions"), "--output", lean, "--as-of", as_of,
-          "--pretrain-days", "2", "--window-days", "1", "--report", storage.join(where, "report_lean.json"),
+          "--actions", storage.join(logs, "actions"), "--build-dir", lean, "--as-of", as_of,
+          "--incremental-days", "2", "--window-days", "1", "--report", storage.join(where, "report_lean.json"),
           *spark_args])
     step("3. expand back to point-wise rows (the lossless round trip)",
-         ["expand", "--samples", lean, "--output", storage.join(where, "expanded"), *spark_args])
+         ["expand", "--build-dir", lean, "--expanded", storage.join(where, "expanded"), *spark_args])
     if not a.skip_fat:
         step("4. build from the legacy fat-row log (stitched snapshots)",
              ["build", "--config", storage.join(logs, "config_fat.yaml"), "--input", storage.join(logs, "fat"),
-              "--output", storage.join(where, "build_fat"), "--as-of", as_of, "--pretrain-days", "2",
+              "--build-dir", storage.join(where, "build_fat"), "--as-of", as_of, "--pretrain-days", "2",
               "--window-days", "1", "--report", storage.join(where, "report_fat.json"), *spark_args])
     shards = storage.join(where, "shards")
     step("5. pre-shard per node, balanced per rank",
-         ["preshard", "--samples", lean, "--output", shards, "--nodes", "2", "--ranks-per-node", "2", *spark_args])
+         ["preshard", "--build-dir", lean, "--shards", shards, "--nodes", "2", "--ranks-per-node", "2", *spark_args])
     nvme = os.path.join(out, "nvme", "node0")
     step("6. stage node 0's shards onto 'local NVMe'" + (" from the store" if base else ""),
-         ["stage", "--shards", shards, "--node", "0", "--dest", nvme, "--workers", "2"])
+         ["stage", "--shards", shards, "--node", "0", "--staged", nvme, "--workers", "2"])
     print("\n=== 7. one epoch of the PyTorch loader on node 0, rank 0 of 2", flush=True)
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 

@@ -18,7 +18,7 @@ Example::
 
     store = HdfsStore("/tmp/dfs").start()
     os.environ.update(store.env())
-    ...  # userwise build --output f"{store.url}/D" ...
+    ...  # userwise build --build-dir f"{store.url}/D" ...
     store.stop()
 
 ``python -m userwise.pipelines.tools.hdfs_store`` fetches the jars and prints them.

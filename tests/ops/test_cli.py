@@ -1,6 +1,8 @@
 """The command line as one vocabulary: every flag has help (and its default), one name per
-concept with the older names as aliases, ``--json`` and ``--quiet`` on every command, the
-exit codes, ``--version``, ``publish`` as a subcommand."""
+concept (the older names hidden, still parsed with a warning), one definition and one help
+text per shared flag, placeholders that say what they hold, ``--json`` and ``--quiet`` on
+every command, the exit codes each command can give, ``--version``, ``publish`` as a
+subcommand."""
 
 from __future__ import annotations
 
@@ -53,23 +55,15 @@ def test_every_flag_has_help_and_shows_its_default(name):
         shown = sp._get_formatter()._get_help_string(a) % {"default": a.default}
         if a.required:
             assert shown.endswith("(required)")
-        elif a.default not in (None, False, []):
+        elif not any(a.default is x for x in (None, False)) and a.default != []:
             assert f"(default: {a.default})" in shown, (name, a.option_strings, shown)
     assert "--json" in text and "--quiet" in text
 
 
 # (command, the older flag, the one name it is now, a value)
-ALIASES = [
-    ("build", "--output", "--build-dir", "D"), ("requests", "--output", "--build-dir", "D"),
-    ("history", "--output", "--build-dir", "D"), ("window", "--output", "--build-dir", "D"),
-    ("pretrain", "--output", "--build-dir", "D"), ("backfill", "--output", "--build-dir", "D"),
-    ("forget", "--output", "--build-dir", "D"), ("publish", "--output", "--build-dir", "D"),
-    ("expand", "--samples", "--build-dir", "D"), ("preshard", "--samples", "--build-dir", "D"),
-    ("preshard", "--output", "--shards", "S"), ("stage", "--dest", "--staged", "/nvme"),
-    ("diagnose", "--shards", "--staged", "/nvme"), ("pretrain", "--date", "--as-of", "2026-02-01"),
-    ("build", "--pretrain-days", "--incremental-days", "7"), ("pretrain", "--pretrain-days", "--incremental-days", "7"),
-    ("backfill", "--pretrain-days", "--incremental-days", "7"), ("expand", "--output", "--expanded", "P"),
-]
+VALUES = {"--build-dir": "D", "--shards": "S", "--staged": "/nvme", "--as-of": "2026-02-01",
+          "--incremental-days": "7", "--expanded": "P"}
+ALIASES = [(c, old, new, VALUES[new]) for (c, old), new in sorted(cli.OLD_NAMES.items())]
 REQUIRED = {
     "build": ["--config", "c", "--input", "i", "--as-of", "2026-01-01", "--incremental-days", "2"],
     "requests": ["--config", "c", "--input", "i", "--date", "2026-01-01"],
@@ -96,15 +90,86 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command,old,new,value", ALIASES)
-def test_the_older_names_still_work_as_aliases(command, old, new, value):
+def test_the_older_names_still_parse_hidden_and_with_a_warning(command, old, new, value, capsys):
     base = REQUIRED[command]
     if command not in ("stage", "diagnose") and "--build-dir" not in base:
         base = base + ["--build-dir", "X"]
     new_args = cli.parser().parse_args([command, *_without(base, new), new, value])
+    assert capsys.readouterr().err == ""
     old_args = cli.parser().parse_args([command, *_without(base, new), old, value])
     dest = new.lstrip("-").replace("-", "_")
     want = int(value) if value.isdigit() else value
     assert getattr(new_args, dest) == getattr(old_args, dest) == want
+    err = capsys.readouterr().err
+    assert err.startswith(f"[userwise] warning: {old} is an old name of {new} here; use {new}"), err
+    helptext = subparsers()[command].format_help()
+    assert f"{old} " not in helptext.replace(f"{new} ", "") or old == "--output" and command == "synth", helptext
+
+
+def test_no_flag_means_two_things():
+    """A flag name is one concept in every command; --output is only synth's own folder."""
+    meaning: dict[str, set] = {}
+    for name, sp in subparsers().items():
+        for line in sp.format_help().splitlines():
+            line = line.strip()
+            if line.startswith("--"):
+                flag = line.split()[0].rstrip(",")
+                meaning.setdefault(flag, set()).add(name)
+    assert meaning["--output"] == {"synth"}
+    for flag in ("--samples", "--dest", "--pretrain-days"):
+        assert flag not in meaning
+
+
+SHARED = ("--build-dir", "--shards", "--staged", "--as-of", "--date", "--incremental-days", "--window-days",
+          "--config", "--input", "--seed", "--nodes", "--ranks-per-node", "--master", "--conf")
+
+
+def test_a_shared_flag_has_one_help_text_and_one_placeholder():
+    seen: dict[str, set] = {}
+    for name, sp in subparsers().items():
+        for a in sp._actions:
+            if a.option_strings and a.option_strings[0] in SHARED and a.help is not argparse.SUPPRESS:
+                base = (a.help or "").split(" (here:")[0].split(" to pre-shard")[0].split("; the set was")[0]
+                base = base.split(" (written)")[0].split("; here also")[0]
+                seen.setdefault(a.option_strings[0], set()).add((base if a.option_strings[0] != "--seed" else "",
+                                                                 a.metavar))
+    bad = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not bad, bad
+
+
+def test_placeholders_say_what_they_hold():
+    """No argparse default placeholder (the flag's name in capitals) except where that is the
+    word (NODES, DAYS); single letters only for the glossary's symbols."""
+    letters = {"D", "S", "T", "M", "N", "L", "K", "P", "A", "R", "L'", "MB"}
+    for name, sp in subparsers().items():
+        for a in sp._actions:
+            if not a.option_strings or a.nargs == 0 or a.choices or isinstance(a, argparse._HelpAction):
+                continue
+            if a.help is argparse.SUPPRESS or a.const is not None:
+                continue
+            assert a.metavar, f"userwise {name} {a.option_strings[0]} has argparse's default placeholder"
+            if len(a.metavar) <= 2:
+                assert a.metavar in letters, (name, a.option_strings[0], a.metavar)
+            if a.metavar == "N":
+                assert a.option_strings[0] == "--window-days", (name, a.option_strings[0])
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_each_command_lists_the_exit_codes_it_can_give(name):
+    sp = subparsers()[name]
+    spark = any(a.dest == "conf" for a in sp._actions)
+    assert sp.epilog.startswith("exit codes: 0 done")
+    assert ("3 a Spark job failed" in sp.epilog) == spark
+    assert spark == (name in {"build", "expand", "requests", "history", "window", "pretrain", "preshard",
+                              "backfill", "forget"})
+
+
+def test_jars_honours_json():
+    r = run("jars", "--json")
+    assert r.returncode == 0, r.stderr
+    jars = json.loads(r.stdout)["jars"]
+    assert jars and all(j.endswith(".jar") for j in jars)
+    assert run("jars").stdout.split() == jars
 
 
 def test_one_name_per_concept():

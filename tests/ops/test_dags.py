@@ -164,10 +164,10 @@ def test_manual_run_processes_the_day_before_its_logical_date():
 def test_settings_precedence_run_conf_over_variable_over_file(tmp_path):
     c = common()
     f = c.load_file()
-    f = {**f, "output": "/file/out", "nodes": 1, "spark_conf": {"spark.executor.memory": "2g"}}
-    got = c.resolve(f, {"output": "/var/out", "nodes": 4, "spark_conf": {"spark.executor.memory": "8g"}},
+    f = {**f, "build_dir": "/file/out", "nodes": 1, "spark_conf": {"spark.executor.memory": "2g"}}
+    got = c.resolve(f, {"build_dir": "/var/out", "nodes": 4, "spark_conf": {"spark.executor.memory": "8g"}},
                     {"nodes": "2", "incremental_days": 7, "date": "2026-01-03"}, dt.date(2026, 1, 3))
-    assert got["output"] == "/var/out" and got["nodes"] == 2 and got["pretrain_days"] == 7
+    assert got["build_dir"] == "/var/out" and got["nodes"] == 2 and got["incremental_days"] == 7
     assert got["spark_conf"] == {"spark.executor.memory": "8g"}
     assert got["date"] == "2026-01-03" and got["window_end"] == "2026-01-04"
     assert got["incremental_staging"] == os.path.abspath(got["shards"]) + "/_staging/incremental/2026-01-04"
@@ -187,24 +187,38 @@ def test_every_variable_and_run_conf_key_is_honoured_or_refused_by_name(layer, k
         c.resolve(c.load_file(), kw["variable"], kw["run_conf"], dt.date(2026, 1, 3))
 
 
+def test_the_old_key_names_still_work_with_a_warning(tmp_path):
+    """``output`` and ``pretrain_days`` were the main keys; they are ``build_dir`` and
+    ``incremental_days`` now (the command line's words), the old ones warned for one release."""
+    c = common()
+    p = tmp_path / "uw.yaml"
+    p.write_text("output: /old/D\npretrain_days: 5\n")
+    with pytest.warns(FutureWarning, match="'output' is an old name of 'build_dir'"):
+        f = c.load_file(p)
+    assert f["build_dir"] == "/old/D" and f["incremental_days"] == 5 and "output" not in f
+    with pytest.warns(FutureWarning, match="'pretrain_days' is an old name of 'incremental_days'"):
+        got = c.resolve(f, {}, {"pretrain_days": 3}, dt.date(2026, 1, 3))
+    assert got["incremental_days"] == 3
+
+
 def test_paths_on_cluster_storage_stay_urls():
     """No os.path on a URL: hdfs:// and s3a:// paths come out as they went in, the staging
     folders joined under them."""
     c = common()
-    f = {**c.load_file(), "input": "hdfs://nn:8020/logs/imp", "output": "s3a://uw/D", "shards": "s3a://uw/S/",
+    f = {**c.load_file(), "input": "hdfs://nn:8020/logs/imp", "build_dir": "s3a://uw/D", "shards": "s3a://uw/S/",
          "config": "s3a://uw/conf/c.yaml", "jobs": "hdfs://nn:8020/uw/jobs"}
     got = c.resolve(f, None, None, dt.date(2026, 1, 3))
     assert got["input_partition"] == "hdfs://nn:8020/logs/imp/date=2026-01-03"
     assert got["incremental_staging"] == "s3a://uw/S/_staging/incremental/2026-01-04"
     assert got["pretrain_staging"] == "s3a://uw/S/_staging/pretrain/2026-01-04"
-    assert got["output"] == "s3a://uw/D" and got["config"] == "s3a://uw/conf/c.yaml"
+    assert got["build_dir"] == "s3a://uw/D" and got["config"] == "s3a://uw/conf/c.yaml"
     assert got["jobs"] == "hdfs://nn:8020/uw/jobs"
 
 
 def test_the_sensors_poke_the_store(tmp_path):
     """The sensors' pokes go through the product's storage layer (any store), not Path."""
     c = common()
-    st = {"input_partition": str(tmp_path / "in" / "date=2026-01-03"), "output": str(tmp_path / "D"),
+    st = {"input_partition": str(tmp_path / "in" / "date=2026-01-03"), "build_dir": str(tmp_path / "D"),
           "date": "2026-01-03"}
     assert not c.input_ready(st) and not c.day_published(st)
     (tmp_path / "in" / "date=2026-01-03").mkdir(parents=True)
@@ -263,7 +277,7 @@ bag = DagBag(dag_folder=%(folder)r)
 utc = dt.timezone.utc
 runs = [("userwise_daily", dt.datetime(2026, 1, 2, tzinfo=utc), None),   # processes 2026-01-01
         ("userwise_daily", dt.datetime(2026, 1, 3, tzinfo=utc), None),   # processes 2026-01-02
-        ("userwise_pretrain", dt.datetime(2026, 1, 3, 12, tzinfo=utc), {"date": "2026-01-02", "pretrain_days": 1})]
+        ("userwise_pretrain", dt.datetime(2026, 1, 3, 12, tzinfo=utc), {"date": "2026-01-02", "incremental_days": 1})]
 for dag_id, when, conf in runs:
     run = bag.dags[dag_id].test(logical_date=when, run_conf=conf)
     print("STATE", dag_id, when.date(), run.state, flush=True)
@@ -296,7 +310,7 @@ def test_both_dags_on_hdfs_equal_a_local_run(spark, tmp_path, airflow_home):
         cfg = tmp_path / "userwise.yaml"
         conf = {**FAST_CONF, **SUBMIT_JVM, "spark.hadoop.dfs.replication": "1"}
         cfg.write_text(
-            f"config: {url}/conf/config.yaml\ninput: {url}/in/lean\noutput: {url}/uw/D\nshards: {url}/uw/S\n"
+            f"config: {url}/conf/config.yaml\ninput: {url}/in/lean\nbuild_dir: {url}/uw/D\nshards: {url}/uw/S\n"
             f"py_files: {zip_path}\nnodes: 2\nsensor_poke_seconds: 1\nsensor_timeout_hours: 0.01\nretries: 0\n"
             "spark_conf: {spark.driver.memory: 1g, spark.ui.enabled: 'false', "
             + ", ".join(f"{k}: '{v}'" for k, v in conf.items()) + "}\n")

@@ -37,8 +37,8 @@ def run(*args, check=True):
 
 
 def build_args(log, out):
-    return ["build", "--config", str(log / "config.yaml"), "--input", str(log / "lean"), "--output", str(out),
-            "--as-of", "2026-01-04", "--pretrain-days", "2", "--window-days", "1"]
+    return ["build", "--config", str(log / "config.yaml"), "--input", str(log / "lean"), "--build-dir", str(out),
+            "--as-of", "2026-01-04", "--incremental-days", "2", "--window-days", "1"]
 
 
 def tables(out) -> dict[str, pa.Table]:
@@ -117,9 +117,9 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
     p.wait()
     assert not (out / "_userwise" / "complete.json").exists()
 
-    one_error(run("preshard", "--samples", str(out), "--output", str(tmp_path / "S"), "--nodes", "1",
+    one_error(run("preshard", "--build-dir", str(out), "--shards", str(tmp_path / "S"), "--nodes", "1",
                   "--ranks-per-node", "1", check=False), "`userwise build", "did not finish", "run it again")
-    one_error(run("expand", "--samples", str(out), "--output", str(tmp_path / "x"), check=False),
+    one_error(run("expand", "--build-dir", str(out), "--expanded", str(tmp_path / "x"), check=False),
               "`userwise build", "did not finish")
     assert not (tmp_path / "S" / "manifest.json").exists()
 
@@ -135,8 +135,8 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
 
 def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_path):
     out = str(clean)
-    args = ["preshard", "--samples", out, "--nodes", "1", "--ranks-per-node", "2", "--seed", "3"]
-    run(*args, "--output", str(tmp_path / "before"))
+    args = ["preshard", "--build-dir", out, "--nodes", "1", "--ranks-per-node", "2", "--seed", "3"]
+    run(*args, "--shards", str(tmp_path / "before"))
     before = shard_digest(tmp_path / "before")
 
     # A window job runs (it holds the lock and is marked running) and has committed half its work.
@@ -148,16 +148,16 @@ def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_pa
         DeltaTable(os.path.join(out, "samples")).delete("kind = 'pretrain'")
         assert delta_io.table_bytes(os.path.join(out, "samples")) < delta_io.table_bytes(
             os.path.join(out, "samples"), version=state.version_of(out, "samples"))
-        run(*args, "--output", str(tmp_path / "during"))
+        run(*args, "--shards", str(tmp_path / "during"))
         assert shard_digest(tmp_path / "during") == before  # the previous complete state, byte for byte
     finally:
         lock.release()
     # The job is gone without finishing: readers now refuse the folder, naming it.
-    one_error(run(*args, "--output", str(tmp_path / "after"), check=False), "`userwise window --date 2026-01-03`",
+    one_error(run(*args, "--shards", str(tmp_path / "after"), check=False), "`userwise window --date 2026-01-03`",
               "did not finish")
 
 
 def test_a_folder_that_no_build_finished_is_refused(tmp_path):
     (tmp_path / "D").mkdir()
-    one_error(run("preshard", "--samples", str(tmp_path / "D"), "--output", str(tmp_path / "S"), "--nodes", "1",
+    one_error(run("preshard", "--build-dir", str(tmp_path / "D"), "--shards", str(tmp_path / "S"), "--nodes", "1",
                   "--ranks-per-node", "1", check=False))

@@ -93,11 +93,11 @@ def world(spark, tmp_path_factory):
     log, d, s = base / "log", base / "D", base / "S"
     ok(["synth", "--output", log, "--days", "3", "--users", "8", "--items", "100", "--impressions", "600",
         "--kinds", "lean", "--bad-rows", "0.005", "--max-seq-len", "5", "--start", "2026-01-01"])
-    ok(["build", "--config", log / "config.yaml", "--input", log / "lean", "--output", d, "--as-of", "2026-01-04",
-        "--pretrain-days", "2", "--window-days", "1"])
-    ok(["preshard", "--samples", d, "--output", s / "all", "--nodes", "1", "--ranks-per-node", "2"])
+    ok(["build", "--config", log / "config.yaml", "--input", log / "lean", "--build-dir", d, "--as-of", "2026-01-04",
+        "--incremental-days", "2", "--window-days", "1"])
+    ok(["preshard", "--build-dir", d, "--shards", s / "all", "--nodes", "1", "--ranks-per-node", "2"])
     key = publish.set_key("incremental", date=DAY)
-    ok(["preshard", "--samples", d, "--output", publish.staging_root(str(s), key), "--nodes", "1",
+    ok(["preshard", "--build-dir", d, "--shards", publish.staging_root(str(s), key), "--nodes", "1",
         "--ranks-per-node", "2", "--kind", "incremental", "--window", publish.window_of(DAY)[1].isoformat()])
     publish.publish(str(d), date=DAY, shards=str(s))
     ucol = build_record.load(str(d))[0].col("user")
@@ -125,7 +125,7 @@ def world(spark, tmp_path_factory):
 def forgotten(world):
     """The first forget (no vacuum): its report and the state right after it."""
     before_files = files_holding(world["d"], world["ucol"], world["users"])
-    out = ok(["forget", "--output", world["d"], "--users", world["file"], "--shards", world["s"], "--json"])
+    out = ok(["forget", "--build-dir", world["d"], "--users", world["file"], "--shards", world["s"], "--json"])
     return {"report": json.loads(out), "after": table_rows(world["d"]),
             "sets": {r: shard_rows(r) for r in set_roots(world["s"])}, "files_before": before_files}
 
@@ -186,7 +186,7 @@ def test_forget_is_idempotent_and_vacuum_deletes_the_old_files(world, forgotten)
     d, ucol, users = world["d"], world["ucol"], world["users"]
     # Without --vacuum, older table versions (time travel) still hold the users' files.
     assert forgotten["files_before"] and files_holding(d, ucol, users)
-    out = ok(["forget", "--output", d, "--users", world["file"], "--shards", world["s"], "--vacuum", "--json"])
+    out = ok(["forget", "--build-dir", d, "--users", world["file"], "--shards", world["s"], "--vacuum", "--json"])
     rep = json.loads(out)
     assert rep["tables"] == {t: 0 for t in TABLES} and rep["shards"] == []
     assert sorted(rep["vacuumed"]) == sorted(TABLES)
@@ -207,12 +207,12 @@ def test_bad_users_file_is_one_error_line_and_changes_nothing(world, forgotten, 
                          ("# nobody\n\n", "holds no user id")):
         f = tmp_path / "u.txt"
         f.write_text(text)
-        rc, _, err = run(["forget", "--output", d, "--users", f])
+        rc, _, err = run(["forget", "--build-dir", d, "--users", f])
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
-    rc, _, err = run(["forget", "--output", d, "--users", tmp_path / "missing.txt"])
+    rc, _, err = run(["forget", "--build-dir", d, "--users", tmp_path / "missing.txt"])
     assert rc == 2 and "cannot read it" in err
-    rc, _, err = run(["forget", "--output", tmp_path / "nothing", "--users", world["file"]])
+    rc, _, err = run(["forget", "--build-dir", tmp_path / "nothing", "--users", world["file"]])
     assert rc == 2 and "not a userwise build folder" in err
     assert state.table_versions(str(d)) == versions
 

@@ -51,7 +51,7 @@ def test_a_second_build_fails_at_once_naming_the_running_job_and_changes_nothing
     before = _snapshot(out)
     t = time.time()
     rc = main(["build", "--config", str(tmp_path / "missing.yaml"), "--input", str(tmp_path / "in"),
-               "--output", str(out), "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1"])
+               "--build-dir", str(out), "--as-of", "2026-01-03", "--incremental-days", "1", "--window-days", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and time.time() - t < 5
     assert len(err) == 1 and err[0].startswith("error: ") and "being written by `userwise build`" in err[0]
@@ -62,14 +62,14 @@ def test_a_second_build_fails_at_once_naming_the_running_job_and_changes_nothing
 @pytest.mark.parametrize("job,args", [
     ("history", ["--date", "2026-01-02"]),
     ("window", ["--date", "2026-01-02"]),
-    ("pretrain", ["--date", "2026-01-02", "--pretrain-days", "1"]),
+    ("pretrain", ["--as-of", "2026-01-02", "--incremental-days", "1"]),
     ("requests", ["--date", "2026-01-02", "--input", "x"]),
     ("backfill", ["--from", "2026-01-01", "--to", "2026-01-02", "--input", "x"]),
 ])
 def test_every_writing_command_is_refused_while_a_build_runs(tmp_path, sleeper, capsys, job, args):
     out = tmp_path / "D"
     _fake_lock(out, W.EXCLUSIVE, sleeper.pid)
-    rc = main([job, "--config", "c.yaml", "--output", str(out), *args])
+    rc = main([job, "--config", "c.yaml", "--build-dir", str(out), *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "being written by `userwise build`" in err[0]
 

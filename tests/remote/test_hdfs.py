@@ -56,8 +56,8 @@ def builds(spark, store, log, tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
     for inp, act, out, name in ((lg.impressions, lg.actions, local, "local"),
                                 (f"{store.url}{imp}", f"{store.url}{act}", remote, "remote")):
-        rc = cli.main(["build", "--config", cfg, "--input", inp, "--actions", act, "--output", out,
-                       "--as-of", lg.as_of, "--pretrain-days", str(M), "--window-days", str(N),
+        rc = cli.main(["build", "--config", cfg, "--input", inp, "--actions", act, "--build-dir", out,
+                       "--as-of", lg.as_of, "--incremental-days", str(M), "--window-days", str(N),
                        "--report", str(reports / f"{name}.json"), "--conf", "spark.hadoop.dfs.replication=1"])
         assert rc == 0
     return local, remote, {n: json.loads((reports / f"{n}.json").read_text()) for n in ("local", "remote")}
@@ -90,8 +90,8 @@ def test_expand_of_the_remote_build_to_hdfs_equals_the_local_one(spark, store, b
     import pyarrow.parquet as pq
 
     local, remote, _ = builds
-    assert cli.main(["expand", "--samples", local, "--output", str(tmp_path / "P")]) == 0
-    assert cli.main(["expand", "--samples", remote, "--output", f"{store.url}/expanded/P"]) == 0
+    assert cli.main(["expand", "--build-dir", local, "--expanded", str(tmp_path / "P")]) == 0
+    assert cli.main(["expand", "--build-dir", remote, "--expanded", f"{store.url}/expanded/P"]) == 0
     fs = store.arrow()
     names = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("/expanded/P")))
     assert names and all(n.startswith("part-") and n.endswith(".parquet") for n in names)  # no _spark scratch left
@@ -121,13 +121,13 @@ def test_backfill_and_the_daily_jobs_on_hdfs_equal_the_range_build(spark, store,
                 for t in ("requests", "events"))
     conf = ["--conf", "spark.hadoop.dfs.replication=1"]
     assert cli.main(["backfill", "--from", str(first), "--to", str(last - dt.timedelta(days=1)), "--config", cfg,
-                     "--input", inp, "--actions", act, "--output", out, "--pretrain-days", str(M),
+                     "--input", inp, "--actions", act, "--build-dir", out, "--incremental-days", str(M),
                      "--window-days", str(N), *conf]) == 0
-    day = ["--config", cfg, "--output", out, "--date", str(last), *conf]
+    day = ["--config", cfg, "--build-dir", out, "--date", str(last), *conf]
     assert cli.main(["requests", *day, "--input", inp, "--actions", act]) == 0
     assert cli.main(["history", *day]) == 0
     assert cli.main(["window", *day, "--window-days", str(N)]) == 0
-    assert cli.main(["pretrain", "--config", cfg, "--output", out, "--date", str(as_of), "--pretrain-days", str(M),
+    assert cli.main(["pretrain", "--config", cfg, "--build-dir", out, "--as-of", str(as_of), "--incremental-days", str(M),
                      *conf]) == 0
     assert state.complete_state(out)["job"] == "pretrain"
     assert publish.is_published(out, "incremental", last - dt.timedelta(days=1))  # the backfill's own days
@@ -166,7 +166,7 @@ def shard_sets(spark, store, builds, tmp_path_factory):
     lset = str(tmp_path_factory.mktemp("lshards") / "S")
     rset = f"{store.url}/shards/S"
     for src, dst in ((local, lset), (remote, rset)):
-        assert cli.main(["preshard", "--samples", src, "--output", dst, "--nodes", "2", "--ranks-per-node", "1",
+        assert cli.main(["preshard", "--build-dir", src, "--shards", dst, "--nodes", "2", "--ranks-per-node", "1",
                          "--row-group-rows", "4", "--compression", "none"]) == 0
     return lset, rset
 
@@ -190,7 +190,7 @@ def test_preshard_to_hdfs_stage_killed_and_resumed_loader_equals_local(store, sh
     total = sum(s for _, s, _ in files)
     dest = tmp_path / "nvme"
     # slow enough to be killed part-way: about 3 s for the node
-    p = subprocess.Popen([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", rset, "--node", "0", "--dest",
+    p = subprocess.Popen([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", rset, "--node", "0", "--staged",
                           str(dest), "--workers", "1", "--limit-mbps", str(round(total / 3e6, 4))],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -242,7 +242,7 @@ def test_store_gone_mid_stage_one_error_then_rerun_resumes(store, big_set, tmp_p
     total = sum(s for _, s, _ in files)
     dest = tmp_path / "d"
     p = subprocess.Popen([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", big_set, "--node", "0",
-                          "--dest", str(dest), "--workers", "2", "--range-mb", "0.0625",
+                          "--staged", str(dest), "--workers", "2", "--range-mb", "0.0625",
                           "--limit-mbps", str(round(total / 8e6, 4))],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -325,12 +325,12 @@ def test_conf_reaches_the_session_builder(tmp_path, capsys):
     """`--conf key=value` (repeatable) is what get_spark applies last; a malformed one is a usage error."""
     from userwise.pipelines.runtime import spark as spark_runtime
 
-    rc = cli.main(["expand", "--samples", str(tmp_path / "none"), "--output", str(tmp_path / "x"),
+    rc = cli.main(["expand", "--build-dir", str(tmp_path / "none"), "--expanded", str(tmp_path / "x"),
                    "--conf", "spark.hadoop.fs.s3a.endpoint=http://127.0.0.1:9000", "--conf", "spark.a=b=c"])
     assert rc == 2 and capsys.readouterr().err.startswith("error: ")
     assert spark_runtime.CLI_CONF == {"spark.hadoop.fs.s3a.endpoint": "http://127.0.0.1:9000", "spark.a": "b=c"}
     with pytest.raises(SystemExit) as e:
-        cli.main(["expand", "--samples", "s", "--output", "o", "--conf", "novalue"])
+        cli.main(["expand", "--build-dir", "s", "--expanded", "o", "--conf", "novalue"])
     assert e.value.code == 2
     spark_runtime.CLI_CONF.clear()
 
@@ -352,7 +352,7 @@ def test_forget_on_hdfs_removes_the_users_from_every_table_and_shard_set(spark, 
     storage.write_bytes(f"{store.url}/forget/users.txt", b"# to forget\n401\n\n402\n")
     before = _shard_rows(rset)
     assert before == _shard_rows(lset)  # preshard of either build: the same rows
-    assert cli.main(["forget", "--output", remote, "--users", f"{store.url}/forget/users.txt",
+    assert cli.main(["forget", "--build-dir", remote, "--users", f"{store.url}/forget/users.txt",
                      "--shards", f"{store.url}/shards"]) == 0
     assert state.complete_state(remote)["job"] == "forget"
     inputs = (lg.impressions, lg.actions)

@@ -127,8 +127,8 @@ def test_expand_of_the_s3_build_to_s3_equals_the_local_one(store, builds, tmp_pa
     import pyarrow.parquet as pq
 
     local, remote, *_ = builds
-    assert cli.main(["expand", "--build-dir", local, "--output", str(tmp_path / "P")]) == 0
-    run(store, "expand", "--build-dir", remote, "--output", store.url(BUCKET, "expanded/P"))
+    assert cli.main(["expand", "--build-dir", local, "--expanded", str(tmp_path / "P")]) == 0
+    run(store, "expand", "--build-dir", remote, "--expanded", store.url(BUCKET, "expanded/P"))
     fs, root = storage.filesystem(store.url(BUCKET, "expanded/P"))
     names = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(root)))
     assert names and all(n.startswith("part-") and n.endswith(".parquet") for n in names)
@@ -280,9 +280,9 @@ def test_the_dags_settings_and_sensors_on_s3(store, builds):
     _, remote, inp, *_ = builds
     base = store.url(BUCKET, "")
     file_cfg = common.load_file()
-    st = common.resolve(file_cfg, {"input": inp, "output": remote, "shards": f"{base}/dagS",
+    st = common.resolve(file_cfg, {"input": inp, "build_dir": remote, "shards": f"{base}/dagS",
                                    "config": f"{base}/conf.yaml"}, {"date": "2026-01-04"}, dt.date(2026, 1, 4))
-    assert st["output"] == remote and st["input"] == inp
+    assert st["build_dir"] == remote and st["input"] == inp
     assert st["incremental_staging"] == f"{base}/dagS/_staging/incremental/2026-01-05"
     assert st["input_partition"] == f"{inp}/date=2026-01-04"
     names = [os.path.basename(j) for j in st["jars"].split(",")]

@@ -88,15 +88,15 @@ def builds(cluster, shipped, spark, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("builds")
     data = synth(tmp / "synth", days=2)
     args = ["--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--as-of", DAYS[2],
-            "--pretrain-days", "1", "--window-days", "1"]
+            "--incremental-days", "1", "--window-days", "1"]
     out = tmp / "build"
     before = len(cluster.state().get("completedapps", []))
-    submit(cluster, shipped, "build", *args, "--output", str(out), "--report", str(tmp / "r.json"), tmp=tmp)
+    submit(cluster, shipped, "build", *args, "--build-dir", str(out), "--report", str(tmp / "r.json"), tmp=tmp)
     on_cluster = len(cluster.state().get("completedapps", [])) == before + 1
     local = tmp / "local"
     restore = fast_session_conf(spark)
     try:
-        rc, err = run_cli(["build", *args, "--output", str(local)])
+        rc, err = run_cli(["build", *args, "--build-dir", str(local)])
     finally:
         restore()
     assert rc == 0, err

@@ -184,7 +184,7 @@ def test_cli_one_window_several_shards_per_rank(built, spark, tmp_path, capsys):
     old = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "3")
     try:
-        rc = cli.main(["preshard", "--samples", d, "--output", str(tmp_path / "W"), "--nodes", str(NODES),
+        rc = cli.main(["preshard", "--build-dir", d, "--shards", str(tmp_path / "W"), "--nodes", str(NODES),
                        "--ranks-per-node", str(RANKS), "--window", "2026-01-03", "--seed", str(SEED),
                        "--target-shard-mb", "0.03", "--row-group-rows", "8", "--json"])
     finally:
@@ -209,7 +209,7 @@ def test_window_without_samples_gives_an_empty_set_the_loader_reads_as_zero_batc
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
     d, *_ = built
-    rc = cli.main(["preshard", "--samples", d, "--output", str(tmp_path / "E"), "--nodes", str(NODES),
+    rc = cli.main(["preshard", "--build-dir", d, "--shards", str(tmp_path / "E"), "--nodes", str(NODES),
                    "--ranks-per-node", str(RANKS), "--kind", "incremental", "--window", "2027-02-10",
                    "--window-days", "2", "--dictionary", "scalars"])
     assert rc == 0

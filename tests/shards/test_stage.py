@@ -56,7 +56,7 @@ def test_stage_copies_and_verifies(shards, tmp_path):
 
 def test_progress_on_stderr(shards, tmp_path):
     r = subprocess.run([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", shards, "--node", "0",
-                        "--dest", str(tmp_path / "d"), "--workers", "2", "--json"], capture_output=True, text=True,
+                        "--staged", str(tmp_path / "d"), "--workers", "2", "--json"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "stage node=0: files" in r.stderr and "MB/s" in r.stderr
@@ -74,7 +74,7 @@ def test_resume_after_kill_mid_file(shards, tmp_path):
     files = node_files(shards, 0)
     total = sum(s for _, s, _ in files)
     # slow enough to be killed mid-way: about 2 s for the whole node
-    cmd = [PY, "-m", "userwise.pipelines.cli", "stage", "--shards", shards, "--node", "0", "--dest", str(dest),
+    cmd = [PY, "-m", "userwise.pipelines.cli", "stage", "--shards", shards, "--node", "0", "--staged", str(dest),
            "--workers", "1", "--limit-mbps", str(round(total / 2e6, 3))]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -125,7 +125,7 @@ def test_flipped_byte_is_caught(shards, tmp_path):
     assert not (dest / rel).exists() and not (dest / (rel + ".part")).exists()
     # the CLI says it in one line
     r = subprocess.run([PY, "-m", "userwise.pipelines.cli", "stage", "--shards", shards, "--node", "0",
-                        "--dest", str(dest)], capture_output=True, text=True, timeout=120)
+                        "--staged", str(dest)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "error:" in r.stderr and "checksum mismatch" in r.stderr
     assert "Traceback" not in r.stderr
 
