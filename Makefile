@@ -14,7 +14,7 @@ PETA := .venv-petastorm
 PETA_STAMP := $(PETA)/.installed
 DEMO ?= demo
 
-.PHONY: demo demo-remote test setup jars lock clean bench wheel compat
+.PHONY: demo demo-remote test setup jars lock clean bench compat
 
 setup: $(STAMP) $(PETA_STAMP) jars
 
@@ -62,20 +62,17 @@ demo-remote: setup
 bench: setup
 	$(BIN)/python benchmarks/build_bench.py
 
-# The wheel (and the --py-files zip) in dist/: `userwise ship`.
-wheel: $(STAMP)
-	$(BIN)/userwise ship
-
-# The loader against the oldest versions the metadata admits, outside the suite: the built
-# wheel with the [loader] extra in a fresh .venv-compat (no Spark), every requirement of the
-# core and the loader at its floor in pyproject.toml (torch 2.6, pyarrow 16, numpy 2.0,
-# numba 0.60, ...), pytest and psutil at the lock's versions; then tests/loader. No sdist is
-# built (--no-build). COMPAT_VERSIONS=lock installs the lock's versions instead, e.g. on the
+# The loader against the oldest versions the metadata admits, outside the suite: the wheel
+# that `userwise ship` builds into dist/, with the [loader] extra, in a fresh .venv-compat
+# (no Spark), every requirement of the core and the loader at its floor in pyproject.toml
+# (torch 2.6, pyarrow 16, numpy 2.0, numba 0.60, ...), pytest and psutil at the lock's
+# versions; then tests/loader. No sdist is built (--no-build). COMPAT_VERSIONS=lock installs the lock's versions instead, e.g. on the
 # newest supported Python: make compat COMPAT_VERSIONS=lock COMPAT_PY=python3.13
 COMPAT := .venv-compat
 COMPAT_PY ?= $(PY)
 COMPAT_VERSIONS ?= floors
-compat: wheel
+compat: $(STAMP)
+	$(BIN)/userwise ship
 	rm -rf $(COMPAT)
 	$(COMPAT_PY) -m venv --without-pip $(COMPAT)
 	$(BIN)/python -m tests.support.metadata $(COMPAT_VERSIONS) --extra loader --locked pytest psutil > $(COMPAT)/constraints.txt
