@@ -300,6 +300,30 @@ def _diagnose_args(p):
     p.add_argument("--batches", type=_pos_int, default=50, metavar="COUNT", help="batches per step of the test")
 
 
+def _replay_args(p):
+    _shards(p, note=" (here: read: every training node's shards, or one node's staged copy)")
+    p.add_argument("--serving-nodes", type=_pos_int, default=1, metavar="K",
+                   help="serving nodes (users routed by a jump consistent hash of their id), a cache each")
+    p.add_argument("--checkpoint", metavar="F.pt", help="the model: a torch file {'config': ReferenceRanker's keyword "
+                   "arguments, 'state_dict': its weights} (default: random weights from --seed)")
+    p.add_argument("--encoder", choices=["sample", "window", "none"], default="sample", help="the random model's encoder")
+    p.add_argument("--window", type=_pos_int, metavar="EVENTS", help="the window of --encoder window (default: L)")
+    for flag, default, what in (("--dim", 32, "width"), ("--heads", 2, "attention heads"), ("--layers", 2, "blocks")):
+        p.add_argument(flag, type=_pos_int, default=default, metavar="COUNT", help=f"the random model's {what}")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="the model's dtype; logits must agree to 1e-5 (float32) or 1e-9 (float64)")
+    _seed(p, "the random model's weights")
+    p.add_argument("--max-seq-len", type=_pos_int, metavar="L", help="L, the newest events a request sees "
+                   "(default: the longest span of the pointers)")
+    p.add_argument("--page-size", type=_pos_int, default=64, metavar="P", help="events per cache page")
+    for tier, default in (("device", 256.0), ("host", 1024.0), ("disk", 0.0)):
+        p.add_argument(f"--{tier}-mb", type=float, default=default, metavar="MB", help=f"each node's {tier} tier")
+    p.add_argument("--cache-dir", metavar="DIR", help="the disk tier's files (default: a temporary folder)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the model and the device tier run (default: cuda if available, else cpu)")
+    p.add_argument("--max-requests", type=_pos_int, metavar="COUNT", help="each node's first requests only")
+
+
 def _backfill_args(p):
     p.add_argument("--from", dest="date_from", required=True, type=_date, metavar="YYYY-MM-DD",
                    help="the first UTC day to process")
@@ -372,6 +396,9 @@ COMMANDS = {
               _stage_args, "userwise.pipelines.shards.stage:cli"),
     "diagnose": ("three-step bottleneck test of the loader on one node's staged shards",
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
+    "replay": ("serve a shard set's requests through the K/V cache and a full recompute: equal logits, hit rates, "
+               "tokens recomputed, resident bytes, requests per second", _replay_args,
+               "userwise.pipelines.serve.replay:cli"),
     "backfill": ("run the daily chain over a date range, skipping published days",
                  _backfill_args, "userwise.pipelines.manage.backfill:cli"),
     "forget": ("remove users from every table of a build folder and from its shard sets (privacy)",

@@ -5,7 +5,8 @@ Public names::
 
     from userwise.pipelines.serve import (node_of, nodes_of, user_keys, Chain, chain_of, chains_of,
     longest_valid_prefix, KVStore, Lease, TIERS, Events, Candidates, KVState, empty_state, prefill,
-    extend, score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE)
+    extend, score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE, Trace,
+    TraceRequest, read_trace, replay)
 
 Modules, in the order a request flows through them:
 
@@ -20,9 +21,13 @@ Modules, in the order a request flows through them:
   encoder run incrementally (prefill, extend by new events, score candidates by their
   target attention over the cached keys and values), equal to the training forward over
   the whole held sequence; the prefix-stability check that says which encoders may be
-  cached.
+  cached;
+- ``replay``: a build's requests as a serving trace (per node, in time order) served
+  through the cache and through a full recompute, with the report: logits equal, hit
+  rates per tier, tokens recomputed, resident bytes, requests per second
+  (``userwise replay``).
 
-Torch and numpy only; never imports pyspark.
+Torch and numpy (and pyarrow, where the replay reads a shard set); never imports pyspark.
 """
 
 from userwise.pipelines.serve.chain import Chain, chain_of, chains_of, longest_valid_prefix
@@ -40,11 +45,13 @@ from userwise.pipelines.serve.incremental import (
     score,
     training_encoder,
 )
+from userwise.pipelines.serve.replay import Trace, TraceRequest, read_trace, replay
 from userwise.pipelines.serve.routing import node_of, nodes_of, user_keys
 from userwise.pipelines.serve.store import TIERS, KVStore, Lease
 
 __all__ = [
     "node_of", "nodes_of", "user_keys", "Chain", "chain_of", "chains_of", "longest_valid_prefix", "KVStore", "Lease",
     "TIERS", "Events", "Candidates", "KVState", "empty_state", "prefill", "extend", "score", "full_scores",
-    "PrefixCheck", "check_prefix_stable", "training_encoder", "CACHEABLE",
+    "PrefixCheck", "check_prefix_stable", "training_encoder", "CACHEABLE", "Trace", "TraceRequest", "read_trace",
+    "replay",
 ]
