@@ -1,7 +1,7 @@
 """delta_io's JVM-free reads: delta-rs lists a table's files, pyarrow's own filesystem reads them.
 
 (Read through delta-rs' default Python filesystem, a process sometimes aborted as it exited:
-see ``delta_io.arrow_filesystem`` and docs/operations.md.)
+see ``delta_io.arrow_filesystem`` and docs/tables.md.)
 """
 
 from __future__ import annotations
