@@ -195,11 +195,11 @@ def refuse_unshippable(master: str) -> None:
     if master.startswith("k8s://"):
         raise UserwiseError(
             f"--master {master}: on Kubernetes the driver runs in a pod (cluster mode), which this command "
-            "cannot start; build what ships with `userwise ship`, put dist/*-pyfiles.zip and the jars where "
-            f"the pods read them, and run `spark-submit --master {master} --deploy-mode cluster "
+            "cannot start; build the zip with `userwise ship`, put dist/*-pyfiles.zip and jobs/ where the pods "
+            f"read them, and run `spark-submit --master {master} --deploy-mode cluster "
             "--conf spark.kubernetes.container.image=IMAGE --py-files URL/userwise-pyfiles.zip "
-            f"--jars URL/delta-spark_4.2_2.13-4.4.0.jar,URL/delta-storage-4.4.0.jar jobs/{job}.py {rest}` "
-            "(docs/operations.md)")
+            f"URL/jobs/{job}.py {rest}` with the image docker/spark/Dockerfile builds (Spark, the jars, the Python "
+            "packages; docs/operations.md)")
     raise UserwiseError(f"--master {master}: not a Spark master this command drives; use local[K], "
                         "spark://host:port or yarn, or submit jobs/*.py with spark-submit (docs/operations.md)")
 
