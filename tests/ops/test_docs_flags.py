@@ -74,3 +74,10 @@ OLD_KEYS = re.compile(r"""["'](output|pretrain_days)["']\s*:|^\s*(output|pretrai
 def test_the_airflow_examples_use_the_settings_keys(doc):
     text = (ROOT / doc).read_text()
     assert [m.group(0) for m in OLD_KEYS.finditer(text)] == []
+
+
+def test_the_commands_guide_lists_every_command():
+    text = (ROOT / "docs" / "commands.md").read_text()
+    table = text[text.index("## The commands"):text.index("## Output and exit codes")]
+    listed = {n for _, names, _ in calls(table) for n in names}
+    assert listed == set(cli.COMMANDS)
