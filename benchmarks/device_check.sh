@@ -92,5 +92,20 @@ train_step train_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="
     tests/train/test_spans_masks.py tests/train/test_model.py
 train_step train_bench_cuda 150 python3 benchmarks/train_bench.py --device cuda --threads 0 --seconds 2 \
     --json "$OUTDIR/train_bench_cuda.json" --plot "$OUTDIR/train_bench_cuda.png"
+
+# -- serving (#48), about 3 minutes ------------------------------------------------------
+# 6. tests/serve on CUDA: the K/V store's device tier and the replay's model on the GPU (both
+#    default to CUDA where there is one): incremental scoring equal to the full recompute and
+#    to the training forward, users moving between device, host (page-locked here) and disk;
+# 7. benchmarks/serve_bench.py on the GPU: one request scored from the cache against a full
+#    recompute, 1,000 and 4,096 history events, 1, 64 and 256 candidates.
+# SERVE_STEPS (default "serve_tests serve_bench_cuda") picks these; SERVE_STEPS="" skips them.
+SERVE_STEPS=${SERVE_STEPS-serve_tests serve_bench_cuda}
+serve_step() {  # serve_step NAME LIMIT_S CMD...
+    case " $SERVE_STEPS " in *" $1 "*) STEPS="$1" step "$@" ;; *) return 0 ;; esac
+}
+serve_step serve_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/serve
+serve_step serve_bench_cuda 120 python3 benchmarks/serve_bench.py --device cuda --threads 0 \
+    --json "$OUTDIR/serve_bench_cuda.json" --plot "$OUTDIR/serve_bench_cuda.png"
 step nccl 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/loader/test_loader_distributed.py
 echo "device_check: done" | tee -a "$LOG"
