@@ -188,7 +188,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_xlabel("candidates per request")
         ax.set_ylabel("ms per request (median)")
         ax.set_title(f"{n:,} history events, {rs[0]['cached_events']:,} cached")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax = axes[-1]
     for n, color in zip(hist, ["tab:blue", "tab:orange", "tab:green"]):
         rs = sorted((r for r in runs if r["history"] == n), key=lambda r: r["candidates"])
@@ -206,7 +206,7 @@ def plot(result: dict, path: str) -> None:
     threads = f", {h['threads']} thread{'s' if h['threads'] != 1 else ''}" if h["device"] == "cpu" else ""
     ax.set_title(f"{h['device']}{threads}; dim {cfg['dim']}, {cfg['layers']} layers, {cfg['heads']} heads; "
                  f"{result['date']}", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -6,12 +6,14 @@ recompute's and the training forward's (float64 1e-9, float32 1e-5; the "sample"
 seed gives the same report outside its timing; a cache keyed by (user, length) that
 ignores the chain is caught; hit rates add up per tier and node; a new window that
 starts with the same events keeps the cache and one that does not is invalidated; the
-command prints its report and exits 2 when logits differ."""
+command prints its report and exits 2 when logits differ; docs/serving.md's loop runs."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -236,3 +238,14 @@ def test_the_command_prints_its_report(shards, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["replay", "--shards", shards, "--dtype", "float16"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_the_serving_loop_in_the_docs_runs_as_written(shards, monkeypatch, capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    section = text[text.index("## A serving loop"):]
+    block = re.search(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL).group(1)
+    monkeypatch.setenv("SHARDS", shards)
+    scope = {"__name__": "serving_loop"}
+    exec(compile(block, "docs/serving.md", "exec"), scope)
+    assert len(scope["trace"].order[0]) > 0 and scope["store"].stats()["lookups"] > 0
+    assert "'device'" in capsys.readouterr().out
