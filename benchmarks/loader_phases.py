@@ -55,11 +55,11 @@ def loader_epoch_cpu(ds, epoch: int) -> dict:
     acc = dict.fromkeys(PHASES, 0.0)
     acc["samples"] = 0
     pt = time.process_time
-    for buf in ds.plan(epoch).buffers:
+    for buf in ds._plan(epoch).buffers:
         if not len(buf.rgs):
             continue
         t0 = pt()
-        table = ds.read_table(buf.rgs)  # the loader's own read (read_threads is off: one thread)
+        table = ds._read_table(buf.rgs)  # the loader's own read (read_threads is off: one thread)
         t1 = pt()
         cols = decode.from_arrow(table, "bench")
         t2 = pt()
@@ -87,13 +87,13 @@ def gather_cpu(ds, epoch: int) -> float:
     import numpy as np
 
     from userwise.pipelines.loader import decode
-    from userwise.pipelines.loader.batch import np_ranges
+    from userwise.pipelines.loader.jagged import np_ranges
 
     total = 0.0
-    for buf in ds.plan(epoch).buffers:
+    for buf in ds._plan(epoch).buffers:
         if not len(buf.rgs):
             continue
-        cols = decode.from_arrow(ds.read_table(buf.rgs), "bench")
+        cols = decode.from_arrow(ds._read_table(buf.rgs), "bench")
         perm = np.asarray(buf.perm, np.int64)
         work = []
         for c in cols.values():

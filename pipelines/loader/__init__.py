@@ -2,7 +2,7 @@
 
 Public names::
 
-    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, JaggedBatch, expand_batch
+    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, JaggedBatch, expand_batch, LoaderStateError
 
 - :class:`UserwiseDataset`: iterable dataset over one node's shards (rank /
   worker split, equal batch counts per rank, seeded shuffle, holdout).
@@ -12,15 +12,27 @@ Public names::
 - :class:`JaggedBatch`: one batch in one buffer (``to``, ``pin_memory``,
   ``record_stream``, ``to_kjt``).
 - :func:`expand_batch`: a batch back to point-wise rows (pyarrow.Table).
+- :class:`LoaderStateError`: a saved loader state that does not fit this loader (a
+  ``UserwiseError`` and a ``ValueError``, as every error a loader argument can cause:
+  :class:`~userwise.pipelines.errors.ArgumentError`).
 
 Modules, from the shard files to the trainer:
 
 - ``shards``: one node's staged shards: manifest, verification, row-group metadata.
 - ``plan``: the epoch plan, a pure seeded function of row-group sizes (rank split, equal
   batch counts, shuffle, batch cuts).
-- ``dataset``: :class:`UserwiseDataset`: plans, reads and assembles one rank's batches.
+- ``distributed``: the local rank and world size, and the one all-reduce by which the ranks
+  of several nodes agree on an epoch's batch counts.
+- ``dataset``: :class:`UserwiseDataset`: plans one rank's epochs and turns each planned buffer
+  into its batches.
+- ``reading``: Parquet row groups read as Arrow tables (files kept open per process and
+  thread, pages CRC-checked, the read-ahead lanes).
+- ``gpudirect``: which data path a dataset reads by (GDS side files straight to the device, or
+  Parquet), and the side files' reads.
 - ``decode``: shard bytes (Parquet or GDS side files) to flat columns.
-- ``layout``: where every array of a batch sits in its buffer, once per schema.
+- ``jagged``: the small jagged-array helpers the loader and the trainer's side share (ranges,
+  offsets from lengths, positions in segments, request spans, packing at the batch alignment).
+- ``buffer_layout``: where every array of a batch sits in its one buffer, once per schema.
 - ``stacked``: a host buffer's columns stacked per group and shuffled once.
 - ``program``: the compiled assembler's two kernel calls per batch.
 - ``segcopy`` and ``kernels``: the segmented copy (numba, or numpy without it).
@@ -34,13 +46,14 @@ Modules, from the shard files to the trainer:
 - ``resume``: the loader's state: what it records, what a loaded state must match, and the
   exact remap of a mid-epoch change of world size or batch cut by the samples consumed.
 - ``diagnose``: ``userwise diagnose``, the three-step bottleneck test.
+- ``logs``: the ``userwise.loader`` logger and its once-per-process notices.
 
 Never imports pyspark.
 """
 
 from userwise.pipelines.loader.batch import JaggedBatch, expand_batch
 from userwise.pipelines.loader.dataset import UserwiseDataset
-from userwise.pipelines.loader.loader import LoaderStats, UserwiseLoader
-from userwise.pipelines.loader.shards import open_node
+from userwise.pipelines.loader.loader import UserwiseLoader
+from userwise.pipelines.loader.resume import LoaderStateError
 
-__all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStats", "open_node"]
+__all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStateError"]

@@ -1,7 +1,7 @@
 """The host assembler: batches of one decoded buffer, in one buffer each.
 
 A :class:`Prepared` holds a buffer's host columns stacked per group
-(:mod:`stacked`) in the order of its :class:`layout.BatchLayout`. Shuffled
+(:mod:`stacked`) in the order of its :class:`buffer_layout.BatchLayout`. Shuffled
 once (:meth:`Prepared.permuted`), each batch is a contiguous range of its
 samples, cut by :meth:`Prepared.assemble_range`: two compiled calls
 (:mod:`program`) where numba is, else a few slice copies per block (numpy, not
@@ -16,9 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from userwise.pipelines.loader import segcopy
-from userwise.pipelines.loader.batch import ALIGN, JaggedBatch, np_ranges
+from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines.loader.buffer_layout import COUNT_B, COUNT_B1, layout_of
 from userwise.pipelines.loader.decode import Col
-from userwise.pipelines.loader.layout import COUNT_B, COUNT_B1, layout_of
+from userwise.pipelines.loader.jagged import ALIGN, np_offsets, np_ranges
 from userwise.pipelines.loader.program import BatchProgram
 from userwise.pipelines.loader.stacked import Runs, as_numpy, permute, stack
 
@@ -27,9 +28,7 @@ def _select_lists(off: np.ndarray, rows: np.ndarray):
     """Rows ``rows`` of a list column with offsets ``off``: (element indexes, new offsets, lengths)."""
     start = off[rows]
     ln = off[rows + 1] - start
-    new = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(ln, out=new[1:])
-    return np_ranges(start, ln), new, ln
+    return np_ranges(start, ln), np_offsets(ln), ln
 
 
 class Prepared:

@@ -2,9 +2,9 @@
 
 The GDS path reads side files straight to the device; :func:`assemble`
 gathers a batch's samples there into one buffer, array by array, in
-:func:`layout.layout_key` order, so its bytes equal the host assembler's
-(:mod:`assemble`) for the same samples. On CPU tensors the gathers run in
-numpy (:func:`batch.take`).
+:func:`buffer_layout.layout_key` order (packed by :func:`jagged.pack`), so its bytes
+equal the host assembler's (:mod:`assemble`) for the same samples. On CPU tensors the
+gathers run in numpy (:func:`jagged.take`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from userwise.pipelines.loader.batch import ALIGN, JaggedBatch, dtype_name, ranges, repeat, take
+from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines.loader.buffer_layout import Part, layout_key
 from userwise.pipelines.loader.decode import Col, group_of, torch_cols
-from userwise.pipelines.loader.layout import Part, align, layout_key
-
-_ESIZE = {t: torch.empty((), dtype=t).element_size() for t in
-          (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-           torch.float16, torch.float32, torch.float64)}
+from userwise.pipelines.loader.jagged import dtype_name, offsets, pack, ranges, repeat, segment_ids, take
 
 
 class _Array(NamedTuple):
@@ -53,9 +50,7 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
         off = off.long()
         start = off[idx]
         ln = off[idx + 1] - start
-        new = torch.zeros(B + 1, dtype=torch.long, device=dev)
-        torch.cumsum(ln, 0, out=new[1:])
-        return ranges(start, ln), new
+        return ranges(start, ln), offsets(ln)
 
     for name, c in cols.items():
         g = group_of(name, c)
@@ -79,8 +74,7 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
             so = c.str_offsets.long()
             s0 = so[e]
             sl = so[e + 1] - s0
-            snew = torch.zeros(e.numel() + 1, dtype=torch.long, device=dev)
-            torch.cumsum(sl, 0, out=snew[1:])
+            snew = offsets(sl)
             bidx = ranges(s0, sl)
             add(layout_key(g, gi, Part.BYTES, "", ci), name, torch.uint8, bidx.numel(),
                 lambda o, v=c.values, i=bidx: take(v, i, o))
@@ -96,8 +90,7 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
     # derived index arrays: request -> sample, impression -> request
     if "req" in group_idx:
         R = int(group_idx["req"].numel())
-        req_new = group_off["req"]
-        req_sample = repeat(torch.arange(B, device=dev), req_new[1:] - req_new[:-1], R)
+        req_sample = segment_ids(group_off["req"])
         add(layout_key("req", 0, Part.DERIVED, "", 0), "req.sample", torch.long, R, lambda o, s=req_sample: o.copy_(s))
         if "req_num_imps" in cols and "imp" in group_idx:
             rni = cols["req_num_imps"].values[group_idx["req"]].long()
@@ -106,18 +99,7 @@ def assemble(cols: dict[str, Col], idx: torch.Tensor, alloc, meta: dict) -> Jagg
             add(layout_key("imp", 0, Part.DERIVED, "", 0), "imp.req", torch.long, N, lambda o, s=imp_req: o.copy_(s))
 
     plan.sort(key=lambda p: p.key)
-    spec, pos = [], 0
-    for p in plan:
-        spec.append((p.name, dtype_name(p.dtype), pos, p.numel))
-        pos = align(pos + _ESIZE[p.dtype] * p.numel)
-    buf = alloc(max(pos, ALIGN))
-    for p, (_, _, off, _) in zip(plan, spec):
-        size = _ESIZE[p.dtype] * p.numel
-        if p.numel:
-            p.fill(buf[off: off + size].view(p.dtype))
-        end = align(off + size)
-        if end > off + size:  # zero the alignment padding: equal batches are equal bytes
-            buf[off + size: end].zero_()
+    buf, spec = pack([(p.name, p.dtype, p.numel, p.fill) for p in plan], alloc)  # padding zeroed: equal bytes
     m = dict(meta)
     m["num_samples"] = B
     m["columns"] = columns

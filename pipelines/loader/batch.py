@@ -31,11 +31,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from userwise.pipelines.errors import ArgumentError
+from userwise.pipelines.loader.jagged import (
+    np_offsets,
+    np_ranges,
+    np_request_spans,
+    np_segment_ids,
+    ranges,
+    request_spans,
+)
 from userwise.schemas.layout import input_name
 
-__all__ = ["JaggedBatch", "expand_batch"]
-
-ALIGN = 64
+__all__ = ["JaggedBatch", "expand_batch", "full_device"]
 
 _TORCH = {
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
@@ -50,14 +57,6 @@ def full_device(d: torch.device) -> torch.device:
     if d.type == "cuda" and d.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return d
-
-
-def torch_dtype(np_dtype) -> torch.dtype:
-    return _TORCH[np.dtype(np_dtype).name]
-
-
-def dtype_name(t: torch.dtype) -> str:
-    return str(t).removeprefix("torch.")
 
 
 @dataclass
@@ -184,22 +183,20 @@ class JaggedBatch:
         for k in keys:
             group, typ = cols[k]
             if typ in _STRINGY:
-                raise ValueError(f"{k!r} is a string column; a KeyedJaggedTensor needs integer ids")
+                raise ArgumentError(f"{k!r} is a string column; a KeyedJaggedTensor needs integer ids")
             v = self[k].long()
             if per == "request":
                 if group != "seq":
-                    raise ValueError(f"per='request' needs sequence keys, {k!r} is per {group}")
-                so = self["seq.offsets"].long()
-                base = so[self["req.sample"].long()]
-                b = base + self["req_seq_begin"].long()
-                e = base + self["req_seq_end"].long()
+                    raise ArgumentError(f"per='request' needs sequence keys, {k!r} is per {group}")
+                b, e = request_spans(self["seq.offsets"], self["req.sample"], self["req_seq_begin"],
+                                     self["req_seq_end"])
                 ln = e - b
                 v = v[ranges(b, ln)]
             elif per == "sample":
                 off = self[f"{group}.offsets" if group in ("seq", "req", "imp") else f"{k}.offsets"].long()
                 ln = off[1:] - off[:-1]
             else:
-                raise ValueError(f"per must be 'sample' or 'request', got {per!r}")
+                raise ArgumentError(f"per must be 'sample' or 'request', got {per!r}")
             vals.append(v)
             lens.append(ln)
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lens).int())
@@ -207,45 +204,6 @@ class JaggedBatch:
 
 OVR_PREFIX = "ovr_"
 _STRINGY = ("string", "large_string", "binary", "large_binary")
-
-
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated aranges [s, s+l) as one index tensor (no Python loop).
-
-    On CPU this runs in numpy: torch's intra-op threads make small ops tens of
-    times slower on a busy host, and a loader must not compete with the trainer."""
-    if starts.device.type == "cpu":
-        return torch.from_numpy(np_ranges(starts.numpy().astype(np.int64), lengths.numpy().astype(np.int64)))
-    total = int(lengths.sum().item()) if lengths.numel() else 0
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long, device=starts.device)
-    out_off = torch.cumsum(lengths, 0) - lengths
-    rep = torch.repeat_interleave(starts - out_off, lengths, output_size=total)
-    return rep + torch.arange(total, device=starts.device)
-
-
-def np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [s, s+l) (vectorised: no loop per range)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    out_off = np.cumsum(lengths) - lengths
-    return np.repeat(starts - out_off, lengths) + np.arange(total)
-
-
-def repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-    """``repeat_interleave`` (numpy on CPU, see ``ranges``)."""
-    if values.device.type == "cpu":
-        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy().astype(np.int64)))
-    return torch.repeat_interleave(values, counts, output_size=total)
-
-
-def take(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """out[:] = src[idx] (numpy on CPU, see ``ranges``)."""
-    if src.device.type == "cpu":
-        np.take(src.numpy(), idx.numpy(), out=out.numpy())
-    else:
-        torch.index_select(src, 0, idx, out=out)
 
 
 def _arrow_col(b: JaggedBatch, name: str, typ: str, idx: np.ndarray | None, offsets: np.ndarray | None = None):
@@ -260,7 +218,7 @@ def _arrow_col(b: JaggedBatch, name: str, typ: str, idx: np.ndarray | None, offs
         ix = np.arange(len(so) - 1) if idx is None else idx
         ln = so[1:][ix] - so[:-1][ix]
         gat = data[np_ranges(so[:-1][ix], ln)]
-        off = np.concatenate([[0], np.cumsum(ln)]).astype(np.int64)
+        off = np_offsets(ln)
         arr = pa.LargeStringArray.from_buffers(len(ix), pa.py_buffer(off), pa.py_buffer(gat.tobytes()))
         arr = arr.cast(t)
         if valid is not None:
@@ -296,6 +254,11 @@ def expand_batch(batch: JaggedBatch):
     request's override (``req_snapshot`` 1) or null snapshot (2) comes back
     as given, exactly as ``userwise expand`` writes it.
     Rows come in batch order (samples, requests, impressions in stored order).
+
+    Example::
+
+        rows = expand_batch(next(iter(loader)))     # a pyarrow.Table, one row per impression
+        rows.column("seq_item")                     # each impression's visible history
     """
     import pyarrow as pa
 
@@ -321,8 +284,8 @@ def expand_batch(batch: JaggedBatch):
     order = [c for c in roles.get("input_columns", []) if c in out]
     table = {c: out[c] for c in order + [c for c in out if c not in order]}
     so = b.numpy("seq.offsets").astype(np.int64)
-    begin = so[imp_sample] + b.numpy("req_seq_begin").astype(np.int64)[imp_req]
-    end = so[imp_sample] + b.numpy("req_seq_end").astype(np.int64)[imp_req]
+    begin, end = np_request_spans(so, req_sample, b.numpy("req_seq_begin"), b.numpy("req_seq_end"))
+    begin, end = begin[imp_req], end[imp_req]
     fat = bool(roles.get("fat")) and "req_snapshot" in b
     null = None
     if fat:
@@ -331,13 +294,14 @@ def expand_batch(batch: JaggedBatch):
         kind = b.numpy("req_snapshot").astype(np.int64)[imp_req]
         ro = b.numpy("req.offsets").astype(np.int64)
         oro = b.numpy("ovr_req.offsets").astype(np.int64)
-        ovr_sample = np.repeat(np.arange(len(oro) - 1), np.diff(oro))
+        ovr_sample = np_segment_ids(oro)
         req_ovr = np.full(len(req_sample), -1, np.int64)  # batch request -> batch override index
         req_ovr[ro[ovr_sample] + b.numpy("ovr_req").astype(np.int64)] = np.arange(len(ovr_sample))
         o = req_ovr[imp_req]
         is_ovr = kind == 1
         if (o[is_ovr] < 0).any():
-            raise ValueError("batch holds an override request without an ovr_req entry")
+            raise ArgumentError("the batch holds an override request without an ovr_req entry: not a batch the "
+                                "loader assembled")
         oo = b.numpy("ovr_offsets").astype(np.int64)  # per sample: len(overrides) + 1 offsets
         ooo = b.numpy("ovr_offsets.offsets").astype(np.int64)
         vbase = b.numpy(f"{OVR_PREFIX}{roles['seq_fields'][0]}.offsets").astype(np.int64)
@@ -348,7 +312,7 @@ def expand_batch(batch: JaggedBatch):
         null = kind == 2
     ln = end - begin
     gidx = np_ranges(begin, ln)
-    hoff = np.concatenate([[0], np.cumsum(ln)]).astype(np.int32)
+    hoff = np_offsets(ln).astype(np.int32)
     names = (roles.get("sequence") or {}) if fat else {}
     for name, (group, typ) in cols.items():
         if group != "seq":

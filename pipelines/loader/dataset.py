@@ -1,13 +1,17 @@
-"""The iterable dataset over one node's staged shards."""
+"""The dataset: one rank's plan over one node's staged shards, and its batches.
+
+:class:`UserwiseDataset` checks its arguments, plans each epoch (:mod:`plan`, with the
+holdout, the cross-node agreement of :mod:`distributed` and what a resumed state
+already consumed, :mod:`resume`), and turns each planned buffer into its batches: read
+(Parquet, :mod:`reading`; or GDS side files, :mod:`gpudirect`), checked and decoded
+(:mod:`decode`), assembled (:mod:`assemble` on the host, :mod:`assemble_torch` on the
+device). The loader (:mod:`loader`) and its workers iterate it.
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import logging
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -16,68 +20,13 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
-from userwise.pipelines.loader import assemble_torch, decode, resume
+from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect, resume
 from userwise.pipelines.loader.assemble import Prepared
-from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, plan_node, user_unit
+from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, holdout, plan_node
+from userwise.pipelines.loader.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
 from userwise.pipelines.loader.shards import VERIFY, NodeShards, open_node
-from userwise.pipelines.shards import gds as gdsmod
 
-log = logging.getLogger("userwise.loader")
-_SAID: set[str] = set()
-
-# Buffers a process that decodes alone reads ahead, each on its own thread (a "lane"), while the
-# calling thread shuffles and cuts the current one. With one lane the read of the next buffer is
-# the whole critical path and leaves part of two cores idle; see docs/loader.md (Read-ahead).
-READ_LANES = 2
-# Reads in flight (queued to the lanes) while the calling thread works on a buffer: one more than
-# the lanes, so that a lane that finishes while the caller is busy starts the next read at once
-# instead of waiting for the caller to take its buffer (with READ_LANES in flight, one lane sits idle
-# for most of each buffer's shuffle). A process holds up to READ_AHEAD + 1 decoded buffers.
-READ_AHEAD = READ_LANES + 1
-
-
-def say_once(msg: str) -> None:
-    """Log a message once per process (e.g. which data path was taken)."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
-
-
-def dist_rank_world() -> tuple[int, int]:
-    """(local rank, local world size): env LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun),
-    else torch.distributed's rank/world when initialised, else (0, 1)."""
-    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
-        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def collective_device(group=None) -> torch.device:
-    """Where the tensor of a collective over ``group`` (default the whole job) must be: the CPU
-    when the group has a CPU backend (gloo, mpi, ucc, or a group of several such as
-    ``"cpu:gloo,cuda:nccl"``: a few integers travel best without a device copy), else the
-    backend's accelerator: the device the group is bound to (``init_process_group(device_id=)``),
-    else the current one (NCCL: ``torch.cuda.current_device()``, which the trainer sets with
-    ``torch.cuda.set_device(local_rank)``; NCCL takes no CPU tensors)."""
-    d = torch.distributed
-    backend = str(d.get_backend(group)).lower()
-    devices: list[str] = []
-    for part in backend.split(","):
-        dev, sep, name = part.strip().partition(":")
-        if sep:  # "cuda:nccl": this device type through that backend
-            devices.append(dev)
-        else:  # "nccl": the device types the backend serves
-            devices += d.Backend.backend_capability.get(dev, ["cpu"])
-    if "cpu" in devices or not devices:
-        return torch.device("cpu")
-    kind = devices[0]
-    pg = group if group is not None else d.group.WORLD
-    bound = getattr(pg, "bound_device_id", None)
-    if isinstance(bound, torch.device) and bound.type == kind and bound.index is not None:
-        return bound
-    return torch.device(kind, getattr(torch, kind).current_device())
-
+__all__ = ["UserwiseDataset"]
 
 REQUIRED = ("req_num_imps", "req_seq_begin", "req_seq_end")
 
@@ -94,57 +43,6 @@ def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
     if rg_bytes is not None and len(rg_bytes):
         k = min(k, int(BUFFER_BYTES // max(float(np.mean(rg_bytes)), 1.0)))
     return max(2, k)
-
-
-def kvikio_compat() -> bool:
-    """True when kvikio would read without GPUDirect Storage (no cuFile driver: POSIX reads)."""
-    import kvikio.defaults
-
-    try:
-        return bool(kvikio.defaults.is_compat_mode_preferred())
-    except AttributeError:  # pragma: no cover (older kvikio)
-        return bool(kvikio.defaults.compat_mode())
-
-
-_POOL_SWAP = threading.Lock()  # open_parquet's swap of the process-wide default pool
-
-# Which allocator the shard readers decode into: "arrow" (Arrow's default pool, mimalloc in
-# PyPI's wheels) or "system" (malloc). USERWISE_READ_POOL overrides it: which is faster depends
-# on the host (docs/loader.md, Tuning).
-READ_POOLS = ("arrow", "system")
-
-
-def read_pool() -> str:
-    """The shard readers' pool for datasets made now: ``USERWISE_READ_POOL``, default "arrow"."""
-    name = os.environ.get("USERWISE_READ_POOL", "arrow")
-    if name not in READ_POOLS:
-        raise ArgumentError(f"USERWISE_READ_POOL={name!r}: use one of {READ_POOLS}")
-    return name
-
-
-def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) -> pq.ParquetFile:
-    """A shard file whose reads allocate from ``pool`` (default :func:`read_pool`): "arrow"
-    (the process's default pool) or "system" (malloc). A reader takes its pool when it is
-    opened, so for "system" the default is swapped only for that moment (under a lock:
-    read-ahead lanes open files from their own threads, and two overlapping swaps could leave
-    the system pool as the process's default). Every page's CRC32 (preshard writes one) is
-    checked as it is read: a corrupt page fails the read, whatever ``verify`` checked before."""
-    pool = read_pool() if pool is None else pool
-    if "://" in path and not path.startswith("file:"):  # read straight from a store: the slow path
-        from userwise.pipelines.loader.shards import source
-
-        path, memory_map = source(path), False
-    if pool == "arrow":
-        return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
-    if pool != "system":
-        raise ArgumentError(f"pool must be one of {READ_POOLS}, got {pool!r}")
-    with _POOL_SWAP:
-        old = pa.default_memory_pool()
-        pa.set_memory_pool(pa.system_memory_pool())
-        try:
-            return pq.ParquetFile(path, memory_map=memory_map, page_checksum_verification=True)
-        finally:
-            pa.set_memory_pool(old)
 
 
 class UserwiseDataset(IterableDataset):
@@ -186,6 +84,18 @@ class UserwiseDataset(IterableDataset):
         device: the device batches are for (only decides the GDS path; default cuda if available).
         all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
             agree on batch counts with one all-reduce (max) per epoch. Default True.
+
+    Every argument is checked before a file is opened (an
+    :class:`~userwise.pipelines.errors.ArgumentError`, also a ``ValueError``); a shard set
+    that is missing, corrupt or of another format is a
+    :class:`~userwise.pipelines.errors.ShardError` naming the file.
+
+    Example::
+
+        ds = UserwiseDataset("/nvme/staged", batch_size=256, seed=1, split="train",
+                             eval_sets=["incremental"], eval_user_share=0.05)
+        len(ds)                             # this rank's batches this epoch
+        loader = UserwiseLoader(ds, num_workers=4)
     """
 
     def __init__(self, root, *, node=None, sets=None, batch_size=64, token_budget=None, rank=None, world_size=None,
@@ -220,7 +130,7 @@ class UserwiseDataset(IterableDataset):
         if verify not in VERIFY:
             raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
         self.shards: NodeShards = open_node(root, node, verify=verify)
-        dr, dw = dist_rank_world()
+        dr, dw = distributed.rank_world()
         self.rank = dr if rank is None else int(rank)
         self.world_size = dw if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
@@ -248,74 +158,20 @@ class UserwiseDataset(IterableDataset):
             columns = [c for c in names if c in set(columns) | set(REQUIRED)]
         self.columns = columns or list(names)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.data_path = self._choose_path(gds)
+        self.data_path = gpudirect.choose_path(self.shards, gds, self.device)
         self.epoch = 0
         self._start = 0
-        self._plans: dict[int, RankPlan] = {}
+        self._plans: dict[int, RankPlan] = {}  # this rank's plans by epoch: the current one, one made ahead
         self._resumed: tuple[int, list] | None = None  # (epoch, the runs that consumed part of it: resume.py)
         self._owner = None
         self._keep_cache = None
         self.read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
         self.memory_map = True  # staged shards are local files: map them instead of copying through read()
         self.read_pool = read_pool()  # checked here, before any worker starts
-
-    # -- data path ---------------------------------------------------------------
-    def _choose_path(self, gds) -> str:
-        gds = "auto" if gds is True else gds
-        if gds not in ("auto", "device", "host", False, None):
-            raise ArgumentError(f"gds must be 'auto', 'device', 'host' or False, got {gds!r}")
-        have_side = all(s.get("gds_path") for s in self.shards.shards)
-        if gds == "host":
-            if not have_side:
-                raise ShardError(f"{self.shards.root}: gds='host' but the shards have no GDS side files (preshard --layout gds)")
-            path, why = "gds-host", "side files read on the host (test path)"
-        elif gds == "device" and not (have_side and self.device.type == "cuda"):
-            raise ShardError(f"{self.shards.root}: gds='device' needs GDS side files (preshard --layout gds) "
-                             f"and a CUDA device (device={self.device})")
-        elif gds in ("auto", "device") and have_side and self.device.type == "cuda":
-            try:
-                import kvikio  # noqa: F401
-            except ImportError:
-                if gds == "device":
-                    raise ShardError("gds='device' needs kvikio (pip install userwise[gds])") from None
-                path, why = "parquet", "GDS fallback: kvikio is not importable"
-            else:
-                compat = kvikio_compat()
-                if compat and gds == "auto":
-                    # kvikio without a GDS driver reads through POSIX and bounce buffers: several
-                    # times slower than Parquet + pinned memory (benchmarks/README.md, GPU)
-                    path, why = "parquet", ("GDS fallback: kvikio has no GDS driver here (compatibility mode); "
-                                            "Parquet via pinned memory is faster. gds='device' forces kvikio")
-                else:
-                    path = "gds"
-                    why = ("kvikio + GPU + side files: reading straight into device memory"
-                           + (" (kvikio compatibility mode: POSIX reads, forced by gds='device')" if compat else ""))
-        else:
-            why = ("GDS not requested" if not gds else "no GDS side files" if not have_side else "no GPU")
-            path = "parquet"
-            why = f"Parquet via {'pinned memory' if self.device.type == 'cuda' else 'pageable memory (CPU only)'} ({why})"
-        say_once(f"userwise loader: data path = {path}: {why}")
-        return path
+        self._files = ShardFiles()  # open shard files and read-ahead lanes, per process
 
     # -- plan ------------------------------------------------------------------
-    def _keep(self) -> list:
-        sh = self.shards
-        n = len(sh.rg_rows)
-        if self.split == "all":
-            return [None] * n
-        users_out = None
-        if self.eval_user_share > 0:
-            users_out = [user_unit(u, self.eval_seed) < self.eval_user_share for u in sh.column("user")]
-        keep = []
-        for g in range(n):
-            in_eval_set = int(sh.rg_set[g]) in self.eval_set_idx
-            ev = np.full(int(sh.rg_rows[g]), in_eval_set)
-            if users_out is not None:
-                ev = ev | users_out[g]
-            keep.append(ev if self.split == "eval" else ~ev)
-        return keep
-
-    def plans(self, epoch: int | None = None) -> list[RankPlan]:
+    def _rank_plans(self, epoch: int | None = None) -> list[RankPlan]:
         """Plans of every rank of this node for ``epoch`` (default the current one)."""
         epoch = self.epoch if epoch is None else int(epoch)
         sh = self.shards
@@ -323,7 +179,10 @@ class UserwiseDataset(IterableDataset):
         if self._owner is None:
             self._owner = assign(sh.rg_set, sh.rg_rank, weight, int(sh.manifest["ranks_per_node"]), self.world_size)
         if self._keep_cache is None:
-            self._keep_cache = self._keep()
+            self._keep_cache = holdout(sh.rg_rows, sh.rg_set, split=self.split, eval_set_idx=self.eval_set_idx,
+                                       eval_user_share=self.eval_user_share, eval_seed=self.eval_seed,
+                                       users=sh.column("user") if self.split != "all" and self.eval_user_share > 0
+                                       else None)
         owner = self._owner
         costs = sh.column("cost") if self.token_budget is not None else None
         keep = self._keep_cache
@@ -340,31 +199,25 @@ class UserwiseDataset(IterableDataset):
         return plans
 
     def _spans_nodes(self) -> bool:
-        """Planning an epoch takes one all-reduce (torch.distributed spans more ranks than this
-        node's, and ``all_reduce_targets``)."""
-        d = torch.distributed
-        return bool(self.all_reduce_targets and d.is_available() and d.is_initialized()
-                    and d.get_world_size() > self.world_size)
+        """Planning an epoch takes one all-reduce (:func:`distributed.spans_nodes`)."""
+        return distributed.spans_nodes(self.world_size, self.all_reduce_targets)
 
     def _cross_node_targets(self, targets: dict) -> dict:
         """The batches per set every rank of the job agrees on: this node's, or with
-        :meth:`_spans_nodes` the max over all nodes (one all-reduce, on the backend's device)."""
+        :meth:`_spans_nodes` the max over all nodes (:func:`distributed.agree_targets`)."""
         if not self._spans_nodes():
             return targets
-        d = torch.distributed
-        t = torch.tensor([targets[s] for s in self.set_idx], dtype=torch.long, device=collective_device())
-        d.all_reduce(t, op=d.ReduceOp.MAX)
-        return {s: int(v) for s, v in zip(self.set_idx, t.tolist())}
+        return distributed.agree_targets({s: targets[s] for s in self.set_idx})
 
-    def plan(self, epoch: int | None = None) -> RankPlan:
+    def _plan(self, epoch: int | None = None) -> RankPlan:
         """This rank's plan (cached per epoch; a plan made ahead for the next epoch is kept)."""
         epoch = self.epoch if epoch is None else int(epoch)
         p = self._plans.get(epoch)
         if p is None:
-            p = self._keep_plan(epoch, self.plans(epoch)[self.rank])
+            p = self._keep_plan(epoch, self._rank_plans(epoch)[self.rank])
         return p
 
-    def plan_ahead(self, epoch: int) -> bool:
+    def _plan_ahead(self, epoch: int) -> bool:
         """Plan ``epoch`` now and keep it with the current one: the loader calls this for the
         next epoch while its workers read their first buffers, so the next epoch does not
         start with the trainer planning and every worker waiting.
@@ -374,7 +227,7 @@ class UserwiseDataset(IterableDataset):
         if epoch not in self._plans:
             if self._spans_nodes():
                 return False
-            self._keep_plan(epoch, self.plans(epoch)[self.rank])
+            self._keep_plan(epoch, self._rank_plans(epoch)[self.rank])
         return True
 
     def _keep_plan(self, epoch: int, plan: RankPlan) -> RankPlan:
@@ -385,9 +238,16 @@ class UserwiseDataset(IterableDataset):
         return plan
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration plans (a new seeded shuffle per epoch), as torch's
+        samplers take it. :class:`UserwiseLoader` sets it itself.
+
+        Example::
+
+            ds.set_epoch(3); batches = list(ds)     # epoch 3's batches of this rank
+        """
         self.epoch = int(epoch)
 
-    def set_resumed(self, epoch: int, runs: list | None) -> None:
+    def _set_resumed(self, epoch: int, runs: list | None) -> None:
         """Plan ``epoch`` without the samples that the saved runs ``runs`` consumed in it
         (:func:`~userwise.pipelines.loader.resume.remaining`; none: the whole epoch). Drops
         the plans made for the epochs this changes."""
@@ -398,113 +258,44 @@ class UserwiseDataset(IterableDataset):
         self._plans = {e: p for e, p in self._plans.items() if e not in stale}
         self._resumed = new
 
-    def resumed(self, epoch: int) -> list:
+    def _runs_resumed(self, epoch: int) -> list:
         """The saved runs that consumed part of ``epoch`` (empty for a whole epoch)."""
         return list(self._resumed[1]) if self._resumed is not None and self._resumed[0] == int(epoch) else []
 
     def __len__(self) -> int:
-        return self.plan().num_batches
+        """This rank's batches in the current epoch (every rank of the job has as many)."""
+        return self._plan().num_batches
 
     # -- reading -------------------------------------------------------------------
-    def read_buffer(self, rgs) -> dict:
-        """Decode row groups into flat columns (Parquet, or GDS side files)."""
+    def _read_buffer(self, rgs) -> dict:
+        """Decode row groups into flat columns (Parquet, or GDS side files), checked."""
         sh = self.shards
         if self.data_path == "parquet":
             where = sh.path(int(sh.rg_shard[rgs[0]]))
-            cols = decode.from_arrow(self.read_table(rgs), where)
+            cols = decode.from_arrow(self._read_table(rgs), where)
         else:
-            cols = self._read_gds(rgs)
+            cols = gpudirect.read_side_files(sh, rgs, self.columns, self.data_path, self.device)
             where = sh.gds_path(int(sh.rg_shard[rgs[0]]))
         decode.check_groups(cols, where)
         return cols
 
-    def read_table(self, rgs) -> pa.Table:
-        """Row groups ``rgs`` as one Arrow table, as read (consecutive row groups of one file:
-        one read call)."""
-        sh = self.shards
-        parts, runs = [], []
-        for g in rgs:
-            s, i = int(sh.rg_shard[g]), int(sh.rg_index[g])
-            if runs and runs[-1][0] == s:
-                runs[-1][1].append(i)
-            else:
-                runs.append((s, [i]))
-        for s, idx in runs:
-            try:
-                parts.append(self._file(s).read_row_groups(idx, columns=self.columns, use_threads=self.read_threads))
-            except Exception as e:  # noqa: BLE001
-                why = " ".join(str(e).split())  # e.g. a page whose CRC does not match: a corrupt file
-                raise ShardError(f"{sh.path(s)}: row group {idx} unreadable ({why}); re-stage this file") from None
-        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    def _read_table(self, rgs) -> pa.Table:
+        """Row groups ``rgs`` as one Arrow table, as read (:func:`reading.read_row_groups`)."""
+        return read_row_groups(self.shards, self._file, rgs, self.columns, use_threads=self.read_threads)
 
     def _file(self, shard: int) -> pq.ParquetFile:
-        """The open shard file, kept per process and thread (footer parsed once, not per row
-        group; a ParquetFile is not read from two threads at once)."""
-        pid = os.getpid()
-        if getattr(self, "_files_pid", None) != pid:  # after fork: own handles
-            self._files, self._files_pid = {}, pid
-        key = (threading.get_ident(), shard)
-        f = self._files.get(key)
-        if f is None:
-            f = self._files[key] = open_parquet(self.shards.path(shard), self.memory_map, self.read_pool)
-        return f
+        """The open shard file of this process and thread (:class:`reading.ShardFiles`)."""
+        return self._files.open(self.shards.path(shard), self.memory_map, self.read_pool)
 
-    def _read_pool(self) -> ThreadPoolExecutor:
-        """This process's read-ahead lanes, started once (so each keeps its file handles)."""
-        pid = os.getpid()
-        if getattr(self, "_pool_pid", None) != pid:  # after fork the parent's threads are gone
-            self._pool = ThreadPoolExecutor(READ_LANES, thread_name_prefix="userwise-read")
-            self._pool_pid = pid
-        return self._pool
-
-    def __getstate__(self):
-        st = dict(self.__dict__)
-        for k in ("_files", "_files_pid", "_pool", "_pool_pid"):
-            st.pop(k, None)
-        return st
-
-    def _read_gds(self, rgs) -> dict:
-        sh = self.shards
-        parts, valid_parts, arrow = [], [], {}
-        for g in rgs:
-            path = sh.gds_path(int(sh.rg_shard[g]))
-            idx = gdsmod.read_index(path)
-            rg = idx["row_groups"][int(sh.rg_index[g])]
-            arrow.update({n: rg["columns"][n]["arrow"] for n in self.columns})
-            strings = [n for n in self.columns if "str_offsets" in rg["columns"][n]]
-            numeric = [n for n in self.columns if n not in strings]
-            host = gdsmod.read_host(path, int(sh.rg_index[g]), strings if self.data_path == "gds" else self.columns, index=idx)
-            if self.data_path == "gds":
-                dev = gdsmod.read_device(path, int(sh.rg_index[g]), numeric, device=self.device, index=idx)
-                host = {k: tuple(None if a is None else torch.from_numpy(np.array(a)).to(self.device) for a in v)
-                        for k, v in host.items()}
-                host.update(dev)
-            parts.append(host)
-            vp = {}
-            with open(path, "rb") as f:
-                for n in self.columns:
-                    e = rg["columns"][n]
-                    if "validity" in e:
-                        f.seek(e["validity"][0])
-                        vp[n] = np.frombuffer(f.read(e["validity"][1]), np.uint8)
-            valid_parts.append(vp)
-        cols = decode.from_gds(parts, arrow)
-        for n in cols:
-            if any(n in vp for vp in valid_parts):
-                vs = [vp[n] if n in vp else np.ones(len(p[n][2]) - 1 if len(p[n]) == 3 else len(p[n][0]), np.uint8)
-                      for vp, p in zip(valid_parts, parts)]
-                cols[n].validity = torch.from_numpy(np.concatenate(vs)).to(cols[n].values.device)
-        return cols
-
-    def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None,
+    def _batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None,
                 read_ahead: bool | None = None):
         """This rank's batches for one worker: buffers ``i % num_workers == worker``,
         in epoch order, skipping batches before ``start`` (epoch index).
 
         ``read_ahead`` (default: when this process decodes alone, ``num_workers <= 1``):
-        ``READ_LANES`` threads read the next ``READ_AHEAD`` buffers while this thread shuffles
+        ``reading.READ_LANES`` threads read the next ``READ_AHEAD`` buffers while this thread shuffles
         and cuts the current one (Arrow, numpy and the compiled kernels release the GIL)."""
-        plan = self.plan(epoch)
+        plan = self._plan(epoch)
         alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         firsts = plan.first_batch()
         roles = self.shards.roles
@@ -512,7 +303,7 @@ class UserwiseDataset(IterableDataset):
                 if i % max(1, num_workers) == worker and int(firsts[i]) + buf.num_batches > start]
         if read_ahead is None:
             read_ahead = num_workers <= 1 and self.data_path != "gds"
-        pool = self._read_pool() if read_ahead and len(mine) > 1 else None
+        pool = self._files.lanes() if read_ahead and len(mine) > 1 else None
         ahead: collections.deque = collections.deque()  # reads in flight, in buffer order
         try:
             for n, (i, buf) in enumerate(mine):
@@ -537,7 +328,7 @@ class UserwiseDataset(IterableDataset):
                         elif isinstance(src, Prepared):
                             batch = src.assemble_range(a, b, alloc, meta)
                         else:
-                            batch = self.gather(src, buf.perm[a:b], alloc, meta)
+                            batch = self._gather(src, buf.perm[a:b], alloc, meta)
                     yield batch
         finally:  # stopped early (break, error): no read of this epoch outlives it
             for f in ahead:
@@ -564,26 +355,26 @@ class UserwiseDataset(IterableDataset):
 
     def _read(self, buf):
         """One buffer's columns as read (None for a buffer without row groups)."""
-        return self.read_buffer(buf.rgs) if len(buf.rgs) else None
+        return self._read_buffer(buf.rgs) if len(buf.rgs) else None
 
     def _prepared(self, buf, cols):
         """Read columns laid out for batches; host columns come back shuffled (each batch is
         then a contiguous range)."""
         if cols is None:
             return None
-        src = self.prepare(cols)
+        src = self._prepare(cols)
         if isinstance(src, Prepared):
             src = src.permuted(buf.perm)
         return src
 
     @staticmethod
-    def prepare(cols: dict):
+    def _prepare(cols: dict):
         """Host columns: stacked once per buffer for vectorised gathers; device columns as they are."""
         v = next(iter(cols.values())).values
         return Prepared(cols) if isinstance(v, np.ndarray) or v.device.type == "cpu" else cols
 
     @staticmethod
-    def gather(src, idx, alloc, meta):
+    def _gather(src, idx, alloc, meta):
         if isinstance(src, Prepared):
             return src.assemble(idx, alloc, meta)
         return assemble_torch.assemble(src, torch.from_numpy(np.asarray(idx, np.int64)), alloc, meta)
@@ -591,10 +382,10 @@ class UserwiseDataset(IterableDataset):
     def _empty(self, meta, alloc):
         # a rank with fewer samples than batches: an empty batch with the full layout
         if getattr(self, "_empty_src", None) is None:
-            self._empty_src = self.prepare(self.read_buffer([0]))
-        return self.gather(self._empty_src, np.zeros(0, np.int64), alloc, meta)
+            self._empty_src = self._prepare(self._read_buffer([0]))
+        return self._gather(self._empty_src, np.zeros(0, np.int64), alloc, meta)
 
     def __iter__(self):
         info = get_worker_info()
         w, k = (0, 1) if info is None else (info.id, info.num_workers)
-        return self.batches(w, k, self._start)
+        return self._batches(w, k, self._start)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from userwise.pipelines.errors import ShardError
+from userwise.pipelines.loader.jagged import np_offsets, offsets
 from userwise.pipelines.shards import gds as gdsmod
 
 REQ_LISTS = ("req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps", "req_snapshot")
@@ -200,54 +201,32 @@ def _cat_offsets(offs):
 
 
 def check_groups(cols: dict[str, Col], where: str) -> None:
-    """Parallel list columns of a group must have equal lengths (else the shard is corrupt)."""
-    if all(isinstance(c.values, np.ndarray) for c in cols.values()):
-        _check_groups_np(cols, where)
-        return
-    cols = torch_cols(cols)
-    first: dict[str, tuple[str, torch.Tensor]] = {}
+    """Parallel list columns of a group must have equal lengths, and ``req_num_imps`` must add
+    up to each sample's impressions (else the shard is corrupt). Host columns are checked in
+    numpy, device columns where they are."""
+    host = all(isinstance(c.values, np.ndarray) or c.values.device.type == "cpu" for c in cols.values())
+    if host:
+        arr = lambda x: x if isinstance(x, np.ndarray) else x.numpy()  # noqa: E731
+        off_of, equal = np_offsets, np.array_equal
+    else:
+        cols = torch_cols(cols)
+        arr = lambda x: x.long()  # noqa: E731
+        off_of, equal = offsets, torch.equal
+    first: dict[str, tuple[str, object]] = {}
     for name, c in cols.items():
         g = group_of(name, c)
         if g in ("seq", "req", "imp"):
             if g not in first:
-                first[g] = (name, c.offsets)
-            elif not _equal(first[g][1], c.offsets):
+                first[g] = (name, arr(c.offsets))
+            elif not bool(equal(first[g][1], arr(c.offsets))):
                 raise ShardError(f"{where}: list column {name!r} is not parallel to {first[g][0]!r} "
                                  "(different lengths per sample); rebuild the shard")
     if "req_num_imps" in cols and "imp" in first:
         rni = cols["req_num_imps"]
-        ro = rni.offsets.long()
-        csum = torch.zeros(len(rni.values) + 1, dtype=torch.long, device=rni.values.device)
-        torch.cumsum(rni.values.long(), 0, out=csum[1:])
-        per_sample = csum[ro[1:]] - csum[ro[:-1]]
+        csum, ro = off_of(arr(rni.values)), arr(rni.offsets)
         imp_off = first["imp"][1]
-        if not _equal(per_sample, (imp_off[1:] - imp_off[:-1]).long()):
+        if not bool(equal(csum[ro[1:]] - csum[ro[:-1]], imp_off[1:] - imp_off[:-1])):
             raise ShardError(f"{where}: req_num_imps does not add up to the impressions of each sample; rebuild the shard")
-
-
-def _check_groups_np(cols: dict[str, Col], where: str) -> None:
-    first: dict[str, tuple[str, np.ndarray]] = {}
-    for name, c in cols.items():
-        g = group_of(name, c)
-        if g in ("seq", "req", "imp"):
-            if g not in first:
-                first[g] = (name, c.offsets)
-            elif not np.array_equal(first[g][1], c.offsets):
-                raise ShardError(f"{where}: list column {name!r} is not parallel to {first[g][0]!r} "
-                                 "(different lengths per sample); rebuild the shard")
-    if "req_num_imps" in cols and "imp" in first:
-        rni = cols["req_num_imps"]
-        csum = np.zeros(len(rni.values) + 1, np.int64)
-        np.cumsum(rni.values, out=csum[1:])
-        per_sample = csum[rni.offsets[1:]] - csum[rni.offsets[:-1]]
-        if not np.array_equal(per_sample, np.diff(first["imp"][1])):
-            raise ShardError(f"{where}: req_num_imps does not add up to the impressions of each sample; rebuild the shard")
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "cpu":  # numpy: no intra-op thread pool (see batch.ranges)
-        return bool(np.array_equal(a.numpy(), b.numpy()))
-    return bool(torch.equal(a, b))
 
 
 def group_of(name: str, c: Col) -> str:

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
 from userwise.pipelines.loader import resume, segcopy
 from userwise.pipelines.loader.batch import JaggedBatch, full_device
-from userwise.pipelines.loader.dataset import UserwiseDataset, say_once
+from userwise.pipelines.loader.dataset import UserwiseDataset
+from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import PinnedPool
 from userwise.pipelines.loader.workers import WorkerPool
 
@@ -134,7 +135,7 @@ class UserwiseLoader:
               **resume.identity(ds)}
         if self.cursor and self._targets is not None:
             st["targets"] = list(self._targets)
-        runs = ds.resumed(self.epoch)
+        runs = ds._runs_resumed(self.epoch)
         if runs:
             st["resumed"] = runs
         return st
@@ -151,21 +152,21 @@ class UserwiseLoader:
         self._samples = int(st.get("samples", 0))
         self._targets = st.get("targets")
         self._loaded = st if self.cursor else None
-        self.dataset.set_resumed(self.epoch, st.get("resumed"))
+        self.dataset._set_resumed(self.epoch, st.get("resumed"))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.cursor = int(epoch), 0
         self._samples, self._targets, self._loaded = 0, None, None
-        self.dataset.set_resumed(self.epoch, None)
+        self.dataset._set_resumed(self.epoch, None)
 
     def __len__(self) -> int:
-        return self.dataset.plan(self.epoch).num_batches
+        return self.dataset._plan(self.epoch).num_batches
 
     # -- iteration -------------------------------------------------------------
     def __iter__(self):
         epoch, start = self.epoch, self.cursor
         self.dataset.set_epoch(epoch)
-        plan = self.dataset.plan(epoch)
+        plan = self.dataset._plan(epoch)
         if self._loaded is not None:  # the saved run's plan, made again: the same batches before the cursor
             resume.check_plan(self.dataset, plan, self._loaded)
             self._loaded = None
@@ -194,7 +195,7 @@ class UserwiseLoader:
 
     def _next_epoch(self, epoch: int) -> None:
         self.epoch, self.cursor, self._samples, self._targets = epoch + 1, 0, 0, None
-        self.dataset.set_resumed(epoch + 1, None)
+        self.dataset._set_resumed(epoch + 1, None)
 
     def _alloc(self):
         if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there
@@ -212,7 +213,7 @@ class UserwiseLoader:
     def _host_batches(self, plan, epoch, start):
         ds = self.dataset
         if self.num_workers == 0:
-            for b in ds.batches(0, 1, start, alloc=self._alloc(), epoch=epoch):
+            for b in ds._batches(0, 1, start, alloc=self._alloc(), epoch=epoch):
                 _count(b)
                 yield b
             return
@@ -231,7 +232,7 @@ class UserwiseLoader:
                 pool.cmd[w].send((plan, start, k))
             except OSError:  # it exited between epochs: the wait for its first batch reports it
                 pass
-        ds.plan_ahead(epoch + 1)  # while the workers read their first buffers (the trainer waits anyway)
+        ds._plan_ahead(epoch + 1)  # while the workers read their first buffers (the trainer waits anyway)
         alloc = self._alloc() or _host_alloc
         # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
         # batches in slots page-locked with cudaHostRegister (copied to the device from there)
@@ -262,7 +263,7 @@ class UserwiseLoader:
                     dst = pool.lend(w, slot, n)
                 else:
                     dst = alloc(n)
-                    if n:  # numpy copy: no torch intra-op threads (see batch.ranges)
+                    if n:  # numpy copy: no torch intra-op threads (see jagged.ranges)
                         np.copyto(dst.numpy(), pool.slots[w][slot][:n].numpy())
                     pool.give(w, slot)
                 b = JaggedBatch(dst, spec, meta)

@@ -23,8 +23,6 @@ import numpy as np
 
 from userwise.pipelines.errors import ArgumentError
 
-M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 # the order of the samples inside one batch (the batch's samples are the same either way)
 BATCH_ORDERS = ("stored", "shuffled")
 
@@ -65,6 +63,27 @@ def user_unit(users, seed: int) -> np.ndarray:
         np.add.at(acc, np.repeat(np.arange(len(u)), lens), w)
         h = _splitmix(acc ^ _splitmix(np.array([seed], np.uint64)))
     return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def holdout(rg_rows, rg_set, *, split: str, eval_set_idx, eval_user_share: float, eval_seed: int,
+            users=None) -> list:
+    """Per row group, the rows a ``split`` keeps ("all": None for every group, all rows): the
+    held-out rows are those of the sets in ``eval_set_idx`` and, with ``eval_user_share``, a
+    seeded share of the users (:func:`user_unit` by ``eval_seed``; ``users``: each row group's
+    user column). "eval" keeps the held-out rows, "train" the others."""
+    n = len(rg_rows)
+    if split == "all":
+        return [None] * n
+    users_out = None
+    if eval_user_share > 0:
+        users_out = [user_unit(u, eval_seed) < eval_user_share for u in users]
+    keep = []
+    for g in range(n):
+        ev = np.full(int(rg_rows[g]), int(rg_set[g]) in eval_set_idx)
+        if users_out is not None:
+            ev = ev | users_out[g]
+        keep.append(ev if split == "eval" else ~ev)
+    return keep
 
 
 @dataclass
@@ -157,7 +176,8 @@ def equalize(buffers: list[Buffer], target: int) -> None:
     pad with empty batches when there are fewer samples than batches."""
     have = sum(b.num_batches for b in buffers)
     if have > target:
-        raise ValueError(f"rank has {have} batches, more than the target {target}")
+        raise ArgumentError(f"target {target}: the rank already has {have} batches; a target is at least the "
+                            "batches the rank cuts (plan_node takes the max)")
     heap = [(-(int(b.bounds[k + 1]) - int(b.bounds[k])), i, int(b.bounds[k])) for i, b in enumerate(buffers)
             for k in range(b.num_batches)]
     heapq.heapify(heap)

@@ -16,8 +16,9 @@ from types import ModuleType
 
 import numpy as np
 
-from userwise.pipelines.loader.batch import ALIGN, JaggedBatch
-from userwise.pipelines.loader.layout import BatchLayout
+from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines.loader.buffer_layout import BatchLayout
+from userwise.pipelines.loader.jagged import ALIGN
 from userwise.pipelines.loader.stacked import Permuted, Runs
 
 

@@ -53,7 +53,16 @@ HOW = "pass the list of every rank's state (what dist.all_gather_object collects
 
 
 class LoaderStateError(UserwiseError, ValueError):
-    """A loader state that does not fit this loader (another seed, shard set, selection...)."""
+    """A loader state that does not fit this loader (another seed, shard set, selection...):
+    its message names the field and the fix.
+
+    Example::
+
+        try:
+            loader.load_state_dict(ckpt["loader"])
+        except LoaderStateError as e:      # also a ValueError
+            print(f"cannot resume: {e}")
+    """
 
 
 def selection(ds) -> dict:

@@ -18,15 +18,13 @@ importing the loader stays light.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
 import numpy as np
 
 from userwise.pipelines.loader.decode import NUMPY_DTYPES
-
-log = logging.getLogger("userwise.loader")
+from userwise.pipelines.loader.logs import log
 
 _IMPL = None
 _BATCH = None  # the compiled batch kernels (module), when numba compiles them

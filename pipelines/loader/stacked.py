@@ -1,6 +1,6 @@
 """A host buffer's columns stacked per group, and shuffled once per buffer.
 
-:func:`stack` arranges decoded host columns by their :class:`layout.GroupRecipe`:
+:func:`stack` arranges decoded host columns by their :class:`buffer_layout.GroupRecipe`:
 per group its offsets, its numeric columns in blocks (one per dtype), its
 string columns' bytes in one array, its validity rows. :func:`permute` puts a
 buffer's samples in shuffled order with one gather per block, after which
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from userwise.pipelines.loader import segcopy
-from userwise.pipelines.loader.batch import np_ranges
+from userwise.pipelines.loader.buffer_layout import BatchLayout, GroupRecipe
 from userwise.pipelines.loader.decode import Col
-from userwise.pipelines.loader.layout import BatchLayout, GroupRecipe
+from userwise.pipelines.loader.jagged import np_offsets, np_ranges, np_segment_ids
 from userwise.pipelines.loader.segcopy import seg_copy
 
 # mean list length from which whole runs are copied instead of gathering elements
@@ -133,8 +133,7 @@ def permute(groups: list[HostGroup], layout: BatchLayout, rni: np.ndarray | None
             off = G.offsets
             st = off[perm]
             ln = off[perm + 1] - st
-            new = np.zeros(B + 1, np.int64)
-            np.cumsum(ln, out=new[1:])
+            new = np_offsets(ln)
             if r.group != "req" and B and new[-1] >= RUN_COPY_MIN * B and not G.strings and not G.valid:
                 runs = (st, ln)
             elif nb is not None:
@@ -170,7 +169,7 @@ def permute(groups: list[HostGroup], layout: BatchLayout, rni: np.ndarray | None
     req_sample = imp_req = None
     if layout.req_sample_at is not None:
         roff = next(G.offsets for G in out if G.recipe.group == "req")
-        req_sample = np.repeat(np.arange(B, dtype=np.int64), np.diff(roff))
+        req_sample = np_segment_ids(roff)
         if layout.imp_req_at is not None:
             imp_req = np.repeat(np.arange(len(req_e), dtype=np.int64), rni[req_e])
     return Permuted(out, req_sample, imp_req)

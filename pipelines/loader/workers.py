@@ -21,8 +21,9 @@ import weakref
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.dataset import UserwiseDataset, say_once
+from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.lifeline import Lifeline
+from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import host_register, host_unregister
 from userwise.pipelines.loader.ring import SLOT, Ring, send
 
@@ -53,7 +54,7 @@ def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, r
         ds._plans = {plan.epoch: plan}  # the trainer's plan (computed once there; no collective here)
         last_columns = None
         try:
-            for b in ds.batches(worker, k, start, alloc=ring.alloc, epoch=plan.epoch):
+            for b in ds._batches(worker, k, start, alloc=ring.alloc, epoch=plan.epoch):
                 slot, fresh = ring.sent()
                 meta = dict(b.meta)
                 meta.pop("roles", None)  # the trainer has them; send the column table only when it changes

@@ -158,7 +158,7 @@ def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
     sh = UserwiseDataset(shardset, batch_order="shuffled", **kw)
     for epoch in (0, 1):
         unsorted = 0
-        for bs, bd in zip(st.plan(epoch).buffers, sh.plan(epoch).buffers, strict=True):
+        for bs, bd in zip(st._plan(epoch).buffers, sh._plan(epoch).buffers, strict=True):
             assert bs.rgs.tolist() == bd.rgs.tolist() and bs.bounds.tolist() == bd.bounds.tolist()
             for k in range(bs.num_batches):
                 x, y = bs.perm[bs.bounds[k]: bs.bounds[k + 1]], bd.perm[bd.bounds[k]: bd.bounds[k + 1]]
@@ -166,13 +166,13 @@ def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
                 assert sorted(y.tolist()) == x.tolist()
                 unsorted += bool((np.diff(y) < 0).any())
         assert unsorted  # "shuffled" keeps an order that is not the stored one
-    got = [b.numpy("sample_id").tolist() for b in st.batches(epoch=0)]
+    got = [b.numpy("sample_id").tolist() for b in st._batches(epoch=0)]
     want = []
-    for buf in st.plan(0).buffers:
-        ids = np.asarray(st.read_table(buf.rgs)["sample_id"])
+    for buf in st._plan(0).buffers:
+        ids = np.asarray(st._read_table(buf.rgs)["sample_id"])
         want += [ids[buf.perm[buf.bounds[k]: buf.bounds[k + 1]]].tolist() for k in range(buf.num_batches)]
     assert got == want
-    drawn = [b.numpy("sample_id").tolist() for b in sh.batches(epoch=0)]
+    drawn = [b.numpy("sample_id").tolist() for b in sh._batches(epoch=0)]
     assert [sorted(x) for x in drawn] == [sorted(x) for x in got] and drawn != got
     with pytest.raises(ValueError, match="batch_order"):
         UserwiseDataset(shardset, batch_order="random", **kw)
@@ -184,8 +184,8 @@ def test_the_next_epoch_is_planned_while_the_workers_read(shardset, monkeypatch)
     planning takes a collective nothing is planned ahead."""
     kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
     calls = []
-    real = UserwiseDataset.plans
-    monkeypatch.setattr(UserwiseDataset, "plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
+    real = UserwiseDataset._rank_plans
+    monkeypatch.setattr(UserwiseDataset, "_rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
     ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2)
     _batches(ld)
     assert calls == [0, 1]
@@ -331,9 +331,9 @@ def test_stats_count_samples_events_and_wait_share(shardset):
 
 
 def test_data_path_said_once(shardset, caplog):
-    from userwise.pipelines.loader import dataset as dsmod
+    from userwise.pipelines.loader import logs
 
-    dsmod._SAID.clear()
+    logs._SAID.clear()
     with caplog.at_level(logging.INFO, logger="userwise.loader"):
         UserwiseDataset(shardset, verify="none", world_size=1, rank=0, device="cpu")
         UserwiseDataset(shardset, verify="none", world_size=1, rank=0, device="cpu")
@@ -441,7 +441,7 @@ def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monke
 
 def test_shard_reads_allocate_from_the_chosen_pool_and_leave_the_default_alone(shardset, monkeypatch):
     """The loader's shard readers decode into Arrow's default pool, or into the system
-    allocator with USERWISE_READ_POOL=system (see dataset.open_parquet); either way the
+    allocator with USERWISE_READ_POOL=system (see reading.open_parquet); either way the
     process-wide default pool is left as it was, and an unknown pool is refused when the
     dataset is made, before any worker starts."""
     default = pa.default_memory_pool()
@@ -466,13 +466,13 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
     shuffles and cuts: same batches as without read-ahead, a read's error reaches the consumer
     after the batches before it, no read outlives an epoch stopped early, and the dataset still
     pickles (spawned workers) after its lanes started."""
-    from userwise.pipelines.loader import dataset as dsm
+    from userwise.pipelines.loader import reading
 
     kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
     ds = UserwiseDataset(shardset, **kw)
-    bufs = ds.plan(0).buffers
-    assert len(bufs) > dsm.READ_LANES + 1  # more buffers than lanes: reads run ahead and overlap
-    want = [bytes(b.buffer.numpy()) for b in ds.batches(epoch=0, read_ahead=False)]
+    bufs = ds._plan(0).buffers
+    assert len(bufs) > reading.READ_LANES + 1  # more buffers than lanes: reads run ahead and overlap
+    want = [bytes(b.buffer.numpy()) for b in ds._batches(epoch=0, read_ahead=False)]
     lock, readers, active, most = threading.Lock(), collections.defaultdict(set), [0], [0]
     read = pq.ParquetFile.read_row_groups
 
@@ -489,29 +489,29 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
                 active[0] -= 1
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
-    assert [bytes(b.buffer.numpy()) for b in ds.batches(epoch=0, read_ahead=True)] == want
-    assert most[0] == dsm.READ_LANES
+    assert [bytes(b.buffer.numpy()) for b in ds._batches(epoch=0, read_ahead=True)] == want
+    assert most[0] == reading.READ_LANES
     assert all(len(t) == 1 for t in readers.values())  # one thread per handle
     lanes = set().union(*readers.values())
-    assert len(lanes) == dsm.READ_LANES and threading.get_ident() not in lanes
+    assert len(lanes) == reading.READ_LANES and threading.get_ident() not in lanes
     # stopped after the first batch: nothing still reads once the generator is closed
-    g = ds.batches(epoch=0, read_ahead=True)
+    g = ds._batches(epoch=0, read_ahead=True)
     next(g)
     g.close()
     assert active[0] == 0
     pickle.dumps(ds)
     # a read that fails: the batches of the buffers before it, then its error
-    rb = UserwiseDataset.read_buffer
+    rb = UserwiseDataset._read_buffer
 
     def fail_third(self, rgs):
         if list(rgs) == list(bufs[2].rgs):
             raise ShardError("shard-00000.parquet: row group 5 unreadable (stand-in)")
         return rb(self, rgs)
 
-    monkeypatch.setattr(UserwiseDataset, "read_buffer", fail_third)
+    monkeypatch.setattr(UserwiseDataset, "_read_buffer", fail_third)
     got = []
     with pytest.raises(ShardError, match="stand-in"):
-        for b in ds.batches(epoch=0, read_ahead=True):
+        for b in ds._batches(epoch=0, read_ahead=True):
             got.append(bytes(b.buffer.numpy()))
     assert got == want[: bufs[0].num_batches + bufs[1].num_batches]
     assert active[0] == 0
@@ -676,7 +676,7 @@ def test_auto_buffer_size(tmp_path, monkeypatch):
                     sets=(("incremental", "2026-01-04", "2026-01-05", 2048),))
     ds = UserwiseDataset(root, world_size=1, rank=0, verify="none")
     assert ds.buffer_row_groups == 32
-    assert max(len(b.rgs) for b in ds.plan().buffers) == 16  # the node's 16 row groups, one buffer
+    assert max(len(b.rgs) for b in ds._plan().buffers) == 16  # the node's 16 row groups, one buffer
     assert UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=3).buffer_row_groups == 3
     with pytest.raises(ValueError, match="buffer_row_groups"):
         UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=0)
@@ -688,7 +688,7 @@ def _fail_in_workers(monkeypatch, action, at=2):
     """Workers (forked children, not the trainer) run ``action`` when they read their
     ``at``-th buffer; the trainer's own reads (workers=0, reference runs) are left alone."""
     parent = os.getpid()
-    real = UserwiseDataset.read_buffer
+    real = UserwiseDataset._read_buffer
     calls = collections.Counter()
 
     def read_buffer(self, rgs):
@@ -698,7 +698,7 @@ def _fail_in_workers(monkeypatch, action, at=2):
                 action()
         return real(self, rgs)
 
-    monkeypatch.setattr(UserwiseDataset, "read_buffer", read_buffer)
+    monkeypatch.setattr(UserwiseDataset, "_read_buffer", read_buffer)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -742,7 +742,7 @@ def test_a_worker_that_dies_is_reported_not_waited_for(shardset, monkeypatch, ho
 
     kw = dict(batch_size=4, seed=2, world_size=1, rank=0, verify="none", device="cpu")
     ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2, timeout=120)
-    per_worker = -(-len(ld.dataset.plan().buffers) // 2)  # buffers a worker reads per epoch, at most
+    per_worker = -(-len(ld.dataset._plan().buffers) // 2)  # buffers a worker reads per epoch, at most
     _fail_in_workers(monkeypatch, lambda: os._exit(7), at=per_worker + 2)
     assert sum(b.num_samples for b in ld) == sum(ld.dataset.shards.rg_rows)  # the first epoch is whole
     t = time.monotonic()

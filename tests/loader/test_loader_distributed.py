@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-from userwise.pipelines.loader import dataset as dsmod
+from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, distributed
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 
 SEED = 5
@@ -147,7 +146,7 @@ def samples(*runs) -> collections.Counter:
 def test_two_nodes_equal_batches_exactly_once_and_a_killed_job_resumes(two_nodes, tmp_path):
     epoch = collections.Counter(all_rows(two_nodes).column("sample_id").to_pylist())
     own = [UserwiseDataset(two_nodes, node=k, rank=0, world_size=2, batch_size=8, seed=SEED, verify="none",
-                           device="cpu").plan(0).num_batches for k in (0, 1)]
+                           device="cpu")._plan(0).num_batches for k in (0, 1)]
     assert own[0] != own[1]  # the nodes' own plans differ: the ranks agree only through the all-reduce
 
     full = launch(two_nodes, tmp_path, "full", nodes=2, local=2)
@@ -200,10 +199,10 @@ def test_the_collective_runs_on_the_backends_device(monkeypatch, backend, want):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     group = types.SimpleNamespace(bound_device_id=None)
-    assert dsmod.collective_device(group) == torch.device(want)
+    assert distributed.collective_device(group) == torch.device(want)
     if want.startswith("cuda"):  # a group bound to its device (init_process_group(device_id=)) uses it
         bound = types.SimpleNamespace(bound_device_id=torch.device("cuda", 3))
-        assert dsmod.collective_device(bound) == torch.device("cuda", 3)
+        assert distributed.collective_device(bound) == torch.device("cuda", 3)
 
 
 def test_the_agreed_batch_counts_come_from_the_all_reduce(two_nodes, monkeypatch):
@@ -211,7 +210,7 @@ def test_the_agreed_batch_counts_come_from_the_all_reduce(two_nodes, monkeypatch
     with two more batches per set: the same samples, cut into more batches), with a tensor on
     the backend's device."""
     ds = UserwiseDataset(two_nodes, node=0, rank=0, world_size=2, batch_size=8, seed=SEED, verify="none", device="cpu")
-    alone = ds.plans(0)
+    alone = ds._rank_plans(0)
     seen = []
 
     def all_reduce(t, op=None):
@@ -222,7 +221,7 @@ def test_the_agreed_batch_counts_come_from_the_all_reduce(two_nodes, monkeypatch
                      "get_backend": lambda group=None: "gloo", "all_reduce": all_reduce}.items():
         monkeypatch.setattr(dist, name, fn)
     ds._plans = {}
-    agreed = ds.plans(0)
+    agreed = ds._rank_plans(0)
     assert seen == [torch.device("cpu")]
     assert [p.num_batches for p in agreed] == [p.num_batches + 2 * len(ds.set_idx) for p in alone]
     assert sum(len(b.perm) for p in agreed for b in p.buffers) == sum(len(b.perm) for p in alone for b in p.buffers)
@@ -232,7 +231,7 @@ NCCL = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as d
     from userwise.pipelines.loader import UserwiseDataset
-    from userwise.pipelines.loader.dataset import collective_device
+    from userwise.pipelines.loader.distributed import collective_device
 
     root, ports = sys.argv[1], [int(p) for p in sys.argv[2:4]]
     torch.cuda.set_device(0)
@@ -240,12 +239,12 @@ NCCL = textwrap.dedent('''
         d.init_process_group(backend, init_method=f"tcp://127.0.0.1:{ports[i]}", rank=0, world_size=1,
                              timeout=datetime.timedelta(seconds=60))
         ds = UserwiseDataset(root, node=0, rank=0, world_size=1, batch_size=8, verify="none", device="cuda")
-        want = [p.num_batches for p in ds.plans(0)]
+        want = [p.num_batches for p in ds._rank_plans(0)]
         seen, real = [], d.all_reduce
         d.all_reduce = lambda t, *a, **k: seen.append(t.device) or real(t, *a, **k)
         ds._spans_nodes = lambda: True  # as if other nodes were in the job: the epoch's one all-reduce runs
         ds._plans = {}
-        got = [p.num_batches for p in ds.plans(0)]
+        got = [p.num_batches for p in ds._rank_plans(0)]
         d.all_reduce = real
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         assert seen == [dev] and collective_device() == dev and got == want, (backend, seen, got, want)

@@ -130,8 +130,8 @@ def test_loading_only_compares_and_the_plan_is_checked_at_the_next_iteration(sha
     ids(ld, 3)
     st = saved(ld)
     calls = []
-    real = UserwiseDataset.plans
-    monkeypatch.setattr(UserwiseDataset, "plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
+    real = UserwiseDataset._rank_plans
+    monkeypatch.setattr(UserwiseDataset, "_rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
     again = loader(shardset, 0, 2)
     again.load_state_dict(st)
     assert calls == []  # cheap: no plan made

@@ -13,8 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from userwise.pipelines.errors import ShardError
-from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-from userwise.pipelines.loader import dataset as dsmod
+from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, logs
 from userwise.pipelines.shards import gds
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import write_shard_set
@@ -81,7 +80,7 @@ def test_write_from_table_and_bad_files(tmp_path):
 
 
 def test_loader_falls_back_on_cpu_and_says_so_once(gdsset, caplog):
-    dsmod._SAID.clear()
+    logs._SAID.clear()
     with caplog.at_level(logging.INFO, logger="userwise.loader"):
         ds = UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu")
         UserwiseDataset(gdsset, world_size=1, rank=0, device="cpu")
@@ -124,9 +123,9 @@ def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
 
     ds = UserwiseDataset(gdsset, gds="host", world_size=1, rank=0, batch_size=8, seed=3, verify="none")
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
-    plan, n = ds.plan(0), 0
+    plan, n = ds._plan(0), 0
     for buf in plan.buffers:
-        cols = ds.read_buffer(buf.rgs)
+        cols = ds._read_buffer(buf.rgs)
         host = Prepared(cols)
         for k in range(buf.num_batches):
             idx = np.asarray(buf.perm[int(buf.bounds[k]): int(buf.bounds[k + 1])], np.int64)
@@ -150,7 +149,7 @@ def test_auto_takes_kvikio_only_with_a_gds_driver(gdsset, monkeypatch, compat, m
     fake.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
     monkeypatch.setitem(sys.modules, "kvikio", fake)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", fake.defaults)
-    monkeypatch.setattr(dsmod, "_SAID", set())
+    monkeypatch.setattr(logs, "_SAID", set())
     ds = UserwiseDataset(gdsset, world_size=1, rank=0, device="cuda", gds=mode, verify="none")
     assert ds.data_path == want
 
@@ -166,7 +165,7 @@ def test_gds_without_kvikio_falls_back_or_refuses(gdsset, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "kvikio", None)  # import kvikio -> ImportError
-    monkeypatch.setattr(dsmod, "_SAID", set())
+    monkeypatch.setattr(logs, "_SAID", set())
     ds = UserwiseDataset(gdsset, world_size=1, rank=0, device="cuda", gds="auto", verify="none")
     assert ds.data_path == "parquet"
     with pytest.raises(ShardError, match="gds='device' needs kvikio"):

@@ -1,7 +1,10 @@
-"""Where every array of a batch sits in its buffer, worked out once per schema.
+"""The buffer layout: where every array of a batch sits in its one buffer, worked out once per schema.
 
-A batch is one buffer of ALIGN-aligned arrays (:class:`batch.JaggedBatch`), in
-:func:`layout_key` order: by group (sample, seq, req, imp, then each list with
+(Not the column layout of :mod:`userwise.schemas.layout`, how a user's input columns land
+in our tables, nor the kernels' argument layouts of :mod:`userwise.pipelines.train.kernel_args`.)
+
+A batch is one buffer of ALIGN-aligned arrays (:class:`~userwise.pipelines.loader.JaggedBatch`),
+in :func:`layout_key` order: by group (sample, seq, req, imp, then each list with
 its own offsets), then by :class:`Part` (offsets, numeric values by dtype,
 string bytes, string offsets, validity, derived indices), then by column.
 Every assembler writes this order, so host, worker and device batches of the
@@ -21,7 +24,6 @@ from enum import IntEnum
 
 import numpy as np
 
-from userwise.pipelines.loader.batch import ALIGN
 from userwise.pipelines.loader.decode import Col, group_of
 
 
@@ -44,11 +46,6 @@ def layout_key(group: str, group_sub: int, part: Part, dtype: str, col: int) -> 
     column's position, as each such list is a group of its own), its :class:`Part`, its
     dtype (numeric values), then its column's position."""
     return (GROUP_RANK[group], group_sub, part, dtype, col)
-
-
-def align(n: int) -> int:
-    """``n`` rounded up to ALIGN bytes."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 # The per-batch counts an array's length is read from: COUNT_B (samples), COUNT_B1
@@ -240,5 +237,5 @@ def _derive(cols: dict[str, Col]) -> BatchLayout:
         imp_req_at=None if imp_key is None else where[imp_key])
 
 
-__all__ = ["Part", "GROUP_RANK", "layout_key", "align", "BatchLayout", "GroupRecipe", "Block", "StringsRecipe",
+__all__ = ["Part", "GROUP_RANK", "layout_key", "BatchLayout", "GroupRecipe", "Block", "StringsRecipe",
            "ValidRecipe", "Entry", "layout_of", "COUNT_B", "COUNT_B1"]
