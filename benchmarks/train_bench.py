@@ -59,7 +59,8 @@ import pyarrow.dataset as pds  # noqa: E402
 import torch  # noqa: E402
 
 from userwise.pipelines.tools import synth  # noqa: E402
-from userwise.pipelines.train import Intervals, ReferenceRanker, Spans, UserBatch, block_attention  # noqa: E402
+from userwise.pipelines.train import Intervals, ReferenceRanker, Spans, UserBatch  # noqa: E402
+from userwise.pipelines.train.attention import block_attention  # noqa: E402
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 MS_DAY = 86_400_000

@@ -43,10 +43,10 @@ import torch
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.train.attention import attend
+from userwise.pipelines.train.batch_spans import Spans
 from userwise.pipelines.train.inputs import UserBatch
 from userwise.pipelines.train.masks import Intervals
 from userwise.pipelines.train.model import ReferenceRanker
-from userwise.pipelines.train.spans import Spans
 
 __all__ = ["Events", "Candidates", "KVState", "prefill", "extend", "score", "full_scores", "empty_state",
            "PrefixCheck", "check_prefix_stable", "training_encoder", "CACHEABLE"]

@@ -2,35 +2,39 @@
 
 Public names::
 
-    from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, spans,
-    target_intervals, causal_intervals, hstu_mha_layout,
-    hstu_varlen_layout, stochastic_length)
+    from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, Spans,
+    spans, Intervals, target_intervals, causal_intervals, causal_over, request_sequences,
+    dense_target_masks, dense_causal_masks, attend, KernelLayout, hstu_mha_layout,
+    hstu_varlen_layout, hstu_mha_mask, hstu_varlen_mask, audit, stochastic_length)
 
 Modules, in the order data flows through them:
 
-- ``spans``: per impression its sample, its request and its visible span
-  ``[seq_begin, seq_end)`` in batch-level indices (:func:`spans`, :class:`Spans`);
+- ``batch_spans``: the batch-level pointer: per impression its sample, its request and its
+  visible span ``[seq_begin, seq_end)`` in batch-level indices (:func:`spans`, :class:`Spans`);
 - ``stochastic``: HSTU's stochastic length, a seeded read-time sub-sampling of long
   sequences that keeps every span consistent (:func:`stochastic_length`);
 - ``masks``: the masks as one interval per query row (:class:`Intervals`): target
   attention, the causal encoder (optionally windowed), per-request sequences; as dense
   masks, a FlexAttention ``mask_mod`` and a ``BlockMask``;
-- ``attention``: softmax attention under such a mask: pure-torch block-sparse (any
-  device, forward and backward), FlexAttention, and a dense reference;
-- ``layouts``: argument layouts for generative-recommenders' ``hstu_mha`` and NVIDIA's
-  ``hstu_attn_varlen_func``, the masks those kernels apply, and an audit of them;
+- ``attention``: softmax attention under such a mask (:func:`attend`): pure-torch
+  block-sparse (any device, forward and backward), FlexAttention, and a dense reference;
+- ``kernel_args``: the kernels' argument layouts (:class:`KernelLayout`) for
+  generative-recommenders' ``hstu_mha`` and NVIDIA's ``hstu_attn_varlen_func``, the masks
+  those kernels apply, and an audit of them;
 - ``inputs``: the model's inputs (:class:`UserBatch`, :class:`PointwiseBatch`,
   :class:`Fields`);
 - ``model``: the reference model (:class:`ReferenceRanker`): a user-wise and a
   point-wise forward, and their FLOPs.
 
-Torch only (the kernels are optional and never imported); never imports pyspark.
-See docs/training.md.
+The jagged helpers (ranges, offsets, positions in segments) are the loader's
+(:mod:`userwise.pipelines.loader.jagged`). Torch only (the kernels are optional and never
+imported); never imports pyspark. See docs/training.md.
 """
 
-from userwise.pipelines.train.attention import attend, block_attention, dense_attention, flex_attention
+from userwise.pipelines.train.attention import attend
+from userwise.pipelines.train.batch_spans import Spans, spans
 from userwise.pipelines.train.inputs import Fields, PointwiseBatch, UserBatch
-from userwise.pipelines.train.layouts import (
+from userwise.pipelines.train.kernel_args import (
     KernelLayout,
     audit,
     hstu_mha_layout,
@@ -41,18 +45,18 @@ from userwise.pipelines.train.layouts import (
 from userwise.pipelines.train.masks import (
     Intervals,
     causal_intervals,
+    causal_over,
     dense_causal_masks,
     dense_target_masks,
     request_sequences,
     target_intervals,
 )
-from userwise.pipelines.train.model import ENCODERS, ReferenceRanker
-from userwise.pipelines.train.spans import Spans, spans
-from userwise.pipelines.train.stochastic import keep_mask, stochastic_length, with_arrays
+from userwise.pipelines.train.model import ReferenceRanker
+from userwise.pipelines.train.stochastic import stochastic_length
 
 __all__ = [
-    "Spans", "spans", "stochastic_length", "keep_mask", "with_arrays", "Intervals", "target_intervals",
-    "causal_intervals", "request_sequences", "dense_target_masks", "dense_causal_masks", "attend", "block_attention",
-    "dense_attention", "flex_attention", "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask",
-    "hstu_varlen_mask", "audit", "Fields", "UserBatch", "PointwiseBatch", "ReferenceRanker", "ENCODERS",
+    "UserBatch", "PointwiseBatch", "Fields", "ReferenceRanker", "Spans", "spans", "Intervals", "target_intervals",
+    "causal_intervals", "causal_over", "request_sequences", "dense_target_masks", "dense_causal_masks", "attend",
+    "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask", "hstu_varlen_mask", "audit",
+    "stochastic_length",
 ]

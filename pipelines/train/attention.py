@@ -24,8 +24,8 @@ import math
 import torch
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.loader.jagged import ranges
 from userwise.pipelines.train.masks import Intervals
-from userwise.pipelines.train.spans import ranges
 
 __all__ = ["block_attention", "dense_attention", "flex_attention", "attend", "IMPLEMENTATIONS"]
 
@@ -105,6 +105,17 @@ def flex_attention(q, k, v, iv: Intervals, scale: float | None = None, block: in
 
 
 def attend(q, k, v, iv: Intervals, impl: str = "blocks", **kw) -> torch.Tensor:
+    """Softmax attention of ``q`` [Nq, H, D] over ``k`` [Nk, H, D], ``v`` [Nk, H, Dv] under the
+    intervals ``iv`` (query row ``i`` sees keys ``[lo[i], hi[i])``; a row that sees nothing
+    gives 0): ``impl`` "blocks" (pure torch, block-sparse, forward and backward on any
+    device), "flex" (FlexAttention, compiled on CUDA) or "dense" (the reference). ``kw``:
+    ``scale``, ``block``.
+
+    Example::
+
+        iv = target_intervals(spans(batch))
+        out = attend(q, k, v, iv, "blocks", block=64)     # [N, H, Dv]
+    """
     if impl == "blocks":
         return block_attention(q, k, v, iv, **kw)
     if impl == "flex":

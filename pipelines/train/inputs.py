@@ -2,7 +2,7 @@
 
 :class:`UserBatch` holds, for a :class:`JaggedBatch` (host or device), the stored
 events' ids (item, side-info, action bits), every impression's target ids and
-labels, and the batch's :class:`~userwise.pipelines.train.spans.Spans`.
+labels, and the batch's :class:`~userwise.pipelines.train.batch_spans.Spans`.
 
 :class:`PointwiseBatch` is the point-wise form: one row per impression, each with
 its own copy of a history. :meth:`PointwiseBatch.from_rows` reads the rows that
@@ -16,8 +16,10 @@ against (see docs/training.md, "The causal encoder"):
   ``stored[0:end]``, with the target's span starting at ``begin`` within it;
 - ``history="window"`` (with ``reach``): ``stored[max(0, begin - reach):end]``.
 
-:class:`Fields` names the columns: by default from the batch's roles (lean builds:
-``seq_item`` / ``imp__<item>``, one pair per item feature, ``seq_action``, the labels).
+:class:`Fields` names the columns: from the batch's roles (lean builds, :meth:`Fields.from_roles`:
+``seq_item`` / ``imp__<item>``, one pair per item feature, ``seq_action``, the labels), or
+given explicitly (fat-row builds name their snapshot's fields freely). It has no defaults:
+the synthetic log's names are no build's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.train.spans import Spans, ranges, spans
+from userwise.pipelines.loader.jagged import offsets, ranges
+from userwise.pipelines.train.batch_spans import Spans, spans
 from userwise.schemas.layout import field_name, input_name
 
 __all__ = ["Fields", "UserBatch", "PointwiseBatch"]
@@ -36,19 +39,28 @@ __all__ = ["Fields", "UserBatch", "PointwiseBatch"]
 
 @dataclass(frozen=True)
 class Fields:
-    """Column names. ``item``: (sequence field, impression column); ``side``: one such pair per
-    side-info feature; ``action``: the sequence's action bits (or None); ``labels``: impression
-    columns (0/1)."""
+    """Column names of a batch. ``item``: (sequence field, impression column); ``side``: one such
+    pair per side-info feature; ``action``: the sequence's action bits (or None); ``labels``:
+    impression columns (0/1). Every field is given: from a batch's roles (:meth:`from_roles`) or
+    explicitly.
 
-    item: tuple[str, str] = ("seq_item", "imp__item_id")
-    side: tuple[tuple[str, str], ...] = (("seq_category", "imp__category"), ("seq_author", "imp__author"))
-    action: str | None = "seq_action"
-    labels: tuple[str, ...] = ("imp__click", "imp__like")
+    Example::
+
+        f = Fields.from_roles(batch.meta["roles"])     # lean builds: from the build's roles
+        f = Fields(item=("seq_item", "imp__item_id"), side=(("seq_category", "imp__category"),),
+                   action="seq_action", labels=("imp__click",))
+    """
+
+    item: tuple[str, str]
+    side: tuple[tuple[str, str], ...]
+    action: str | None
+    labels: tuple[str, ...]
 
     @classmethod
     def from_roles(cls, roles: dict) -> "Fields":
-        """From a batch's ``meta["roles"]`` (lean builds; fat-row builds name their snapshot
-        roles freely: pass :class:`Fields` yourself)."""
+        """From a batch's ``meta["roles"]``: the item, one pair per item feature, the action
+        bits, the labels (lean builds; fat-row builds name their snapshot roles freely: pass
+        :class:`Fields` yourself)."""
         if not roles or roles.get("fat"):
             raise UserwiseError("the batch is from a fat-row build (or has no roles): its sequence fields are the "
                                 "snapshot's roles; pass fields=Fields(item=(seq, imp), side=..., labels=...)")
@@ -72,7 +84,14 @@ def _need(batch, name):
 @dataclass
 class UserBatch:
     """One user-wise batch as model input (see module doc). ``ev_*`` per stored event (T),
-    ``tgt_*`` and ``labels`` per impression (N); ``*_side`` is [., S] int64."""
+    ``tgt_*`` and ``labels`` per impression (N); ``*_side`` is [., S] int64.
+
+    Example::
+
+        ub = UserBatch.from_jagged(batch)              # the columns named by the batch's roles
+        logits = model(ub); loss = model.loss(logits, ub.labels)
+        pb = ub.expand("span")                         # the same impressions as point-wise rows
+    """
 
     ev_item: torch.Tensor
     ev_side: torch.Tensor
@@ -84,6 +103,9 @@ class UserBatch:
 
     @classmethod
     def from_jagged(cls, batch, fields: Fields | None = None, *, overrides: str = "refuse") -> "UserBatch":
+        """The model's input of a :class:`~userwise.pipelines.loader.JaggedBatch` (host or
+        device): its columns named by ``fields`` (default :meth:`Fields.from_roles` of the
+        batch's roles), its spans by :func:`~userwise.pipelines.train.spans` (``overrides``)."""
         fields = fields or Fields.from_roles(batch.meta.get("roles") or {})
         sp = spans(batch, overrides=overrides)
         T, N = sp.num_events, sp.num_impressions
@@ -126,17 +148,21 @@ class UserBatch:
             raise UserwiseError(f"history={history!r}: use 'span', 'prefix' or 'window'")
         n = sp.imp_end - start
         idx = ranges(start, n)
-        off = torch.zeros(n.numel() + 1, dtype=torch.long, device=n.device)
-        off[1:] = torch.cumsum(n, 0)
         return PointwiseBatch(hist_item=self.ev_item[idx], hist_side=self.ev_side[idx], hist_action=self.ev_action[idx],
-                              hist_offsets=off, visible_from=sp.imp_begin - start, tgt_item=self.tgt_item,
+                              hist_offsets=offsets(n), visible_from=sp.imp_begin - start, tgt_item=self.tgt_item,
                               tgt_side=self.tgt_side, labels=self.labels)
 
 
 @dataclass
 class PointwiseBatch:
     """Point-wise rows: row ``n``'s history is ``hist_*[hist_offsets[n]:hist_offsets[n+1]]``; its
-    target attends to the history from ``visible_from[n]`` on (0: all of it)."""
+    target attends to the history from ``visible_from[n]`` on (0: all of it).
+
+    Example::
+
+        pb = PointwiseBatch.from_rows(expand_batch(batch), Fields.from_roles(batch.meta["roles"]))
+        logits = model.forward_pointwise(pb)
+    """
 
     hist_item: torch.Tensor
     hist_side: torch.Tensor

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.train.spans import Spans, ranges, segment_ids
+from userwise.pipelines.loader.jagged import offsets as offsets_of
+from userwise.pipelines.loader.jagged import positions, ranges, segment_ids
+from userwise.pipelines.train.batch_spans import Spans
 
 __all__ = ["Intervals", "target_intervals", "causal_intervals", "request_sequences", "RequestSequences",
            "dense_target_masks", "dense_causal_masks"]
@@ -34,7 +36,14 @@ __all__ = ["Intervals", "target_intervals", "causal_intervals", "request_sequenc
 
 @dataclass(frozen=True)
 class Intervals:
-    """Query row ``i`` sees key rows ``[lo[i], hi[i])`` (int64 [Nq]); ``num_keys`` key rows."""
+    """Query row ``i`` sees key rows ``[lo[i], hi[i])`` (int64 [Nq]); ``num_keys`` key rows.
+
+    Example::
+
+        iv = Intervals(torch.tensor([0, 0, 2]), torch.tensor([1, 2, 3]), num_keys=3)
+        iv.dense(), iv.pairs()            # the [3, 3] mask; 4 visible pairs
+        iv.block_mask(128)                # a FlexAttention BlockMask of the same mask
+    """
 
     lo: torch.Tensor
     hi: torch.Tensor
@@ -114,18 +123,35 @@ class Intervals:
 
 
 def target_intervals(sp: Spans) -> Intervals:
-    """Impressions (queries) over the stored events (keys): each sees its request's span."""
+    """Impressions (queries) over the stored events (keys): each sees its request's span.
+
+    Example::
+
+        iv = target_intervals(spans(batch))     # iv.lo[n], iv.hi[n]: impression n's span
+    """
     return Intervals(sp.imp_begin, sp.imp_end, sp.num_events)
 
 
 def causal_intervals(sp: Spans, window: int | None = None) -> Intervals:
     """Stored events over stored events: each sees the earlier events of its own sample and
-    itself; with ``window`` only the ``window`` newest of them (itself included)."""
+    itself; with ``window`` only the ``window`` newest of them (itself included).
+
+    Example::
+
+        iv = causal_intervals(spans(batch), window=50)
+    """
     return causal_over(sp.seq_offsets, window)
 
 
 def causal_over(offsets: torch.Tensor, window: int | None = None) -> Intervals:
-    """Causal intervals within the segments of ``offsets`` [S+1] (optionally windowed)."""
+    """Causal intervals within the segments of ``offsets`` [S+1] (optionally windowed): the
+    element ``i`` of a segment sees the segment's elements up to itself.
+
+    Example::
+
+        rs = request_sequences(sp)
+        iv = causal_over(rs.offsets)            # causal within each request's copied span
+    """
     if window is not None and int(window) < 1:
         raise UserwiseError(f"window={window}: use a number of events >= 1 (or None for the whole sample)")
     offsets = offsets.long()
@@ -147,23 +173,33 @@ class RequestSequences:
 
 
 def request_sequences(sp: Spans) -> RequestSequences:
+    """Every request's span copied out as its own sequence (:class:`RequestSequences`): what
+    point-wise rows truncated at L encode.
+
+    Example::
+
+        rs = request_sequences(sp)
+        x_req = x[rs.event]                     # event rows, request by request
+    """
     n = sp.req_end - sp.req_begin
-    off = torch.zeros(n.numel() + 1, dtype=torch.long, device=sp.device)
-    off[1:] = torch.cumsum(n, 0)
-    return RequestSequences(ranges(sp.req_begin, n), off)
+    return RequestSequences(ranges(sp.req_begin, n), offsets_of(n))
 
 
 def _padded_index(offsets: torch.Tensor):
     """(segment, position, max length) of every element of a jagged layout."""
-    seg = segment_ids(offsets)
-    pos = torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
+    seg, pos = positions(offsets)
     n = offsets[1:] - offsets[:-1]
     return seg, pos, int(n.max()) if n.numel() else 0
 
 
 def dense_target_masks(sp: Spans) -> torch.Tensor:
     """Per sample, [B, K, T] bool: impression k of the sample (in batch order) sees stored event
-    t of the sample. Padding rows and columns are False."""
+    t of the sample. Padding rows and columns are False.
+
+    Example::
+
+        m = dense_target_masks(spans(batch))    # m[b, k, t]
+    """
     seg, pos, K = _padded_index(sp.imp_offsets)
     T = int((sp.seq_offsets[1:] - sp.seq_offsets[:-1]).max()) if sp.num_samples else 0
     base = sp.seq_offsets[:-1][seg]
@@ -176,7 +212,12 @@ def dense_target_masks(sp: Spans) -> torch.Tensor:
 
 
 def dense_causal_masks(sp: Spans, window: int | None = None) -> torch.Tensor:
-    """Per sample, [B, T, T] bool: stored event i sees event j of the same sample."""
+    """Per sample, [B, T, T] bool: stored event i sees event j of the same sample.
+
+    Example::
+
+        m = dense_causal_masks(spans(batch), window=8)   # m[b, i, j]
+    """
     n = sp.seq_offsets[1:] - sp.seq_offsets[:-1]
     T = int(n.max()) if n.numel() else 0
     i = torch.arange(T, device=sp.device)

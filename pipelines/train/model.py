@@ -21,6 +21,8 @@
   the encoded events of its request's span ``[seq_begin, seq_end)``;
 - a head: an MLP over (target, attended history) giving one logit per label.
 
+:meth:`ReferenceRanker.for_batch` sizes the model from a batch (its side-info features and
+labels, from the build's roles) and puts it on the batch's device.
 :meth:`ReferenceRanker.forward` takes a :class:`UserBatch`;
 :meth:`ReferenceRanker.forward_pointwise` the same model one impression at a time over
 point-wise rows (:class:`PointwiseBatch`: each row its own sequence, its target over
@@ -34,7 +36,7 @@ from torch import nn
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.train.attention import IMPLEMENTATIONS, attend
-from userwise.pipelines.train.inputs import PointwiseBatch, UserBatch
+from userwise.pipelines.train.inputs import Fields, PointwiseBatch, UserBatch
 from userwise.pipelines.train.masks import Intervals, causal_over, request_sequences, target_intervals
 
 __all__ = ["ReferenceRanker", "CausalBlock", "ENCODERS"]
@@ -61,14 +63,20 @@ class CausalBlock(nn.Module):
 
 class ReferenceRanker(nn.Module):
     """Args (keyword-only): ``dim`` (32), ``heads`` (2), ``layers`` (1: encoder blocks),
-    ``side_features`` (2: side-info features per event and target), ``item_buckets``
-    (2**14), ``side_buckets`` (1024), ``action_buckets`` (16), ``num_labels`` (2),
+    ``side_features`` (side-info features per event and target), ``num_labels`` (logits per
+    impression), ``item_buckets`` (2**14), ``side_buckets`` (1024), ``action_buckets`` (16),
     ``encoder`` ("sample", see module doc), ``window`` (events, for ``encoder="window"``),
     ``attention`` ("blocks" | "flex" | "dense"), ``block`` (64: attention block size).
 
+    :meth:`for_batch` takes ``side_features`` and ``num_labels`` from a batch (the build's
+    roles) and returns the model on the batch's device; built directly, they default to the
+    synthetic log's 2 and 2, and a batch of other roles is refused with a
+    :class:`~userwise.pipelines.errors.UserwiseError`.
+
     Example::
 
-        model = ReferenceRanker(dim=32, encoder="sample")
+        batch = next(iter(loader))                     # on the loader's device
+        model = ReferenceRanker.for_batch(batch, dim=32, encoder="sample")
         ub = UserBatch.from_jagged(batch)
         loss = model.loss(model(ub), ub.labels)
     """
@@ -99,6 +107,31 @@ class ReferenceRanker(nn.Module):
         for e in [self.item, self.action, *self.side]:
             nn.init.normal_(e.weight, std=0.1)
 
+    @classmethod
+    def for_batch(cls, batch, *, fields: Fields | None = None, **kw) -> "ReferenceRanker":
+        """A model sized for ``batch``, on its device: ``side_features`` and ``num_labels`` from
+        its columns as ``fields`` names them (default :meth:`Fields.from_roles` of the batch's
+        ``meta["roles"]``, as :meth:`UserBatch.from_jagged` reads them). ``batch``: a
+        :class:`~userwise.pipelines.loader.JaggedBatch` or a :class:`UserBatch`; ``kw``: the
+        constructor's other arguments (``dim``, ``encoder`` ...).
+
+        Example::
+
+            model = ReferenceRanker.for_batch(first_batch, dim=32)   # any build's roles, its device
+        """
+        given = sorted(set(kw) & {"side_features", "num_labels"})
+        if given:
+            raise UserwiseError(f"ReferenceRanker.for_batch takes {', '.join(given)} from the batch; pass fields= "
+                                "to name its columns, or build ReferenceRanker(...) yourself")
+        if isinstance(batch, UserBatch):
+            side, labels, device = batch.ev_side.shape[1], batch.labels.shape[1], batch.ev_item.device
+        else:
+            if fields is None:
+                meta = getattr(batch, "meta", None)
+                fields = Fields.from_roles((meta or {}).get("roles") or {})
+            side, labels, device = len(fields.side), len(fields.labels), batch.device
+        return cls(side_features=side, num_labels=labels, **kw).to(device)
+
     @property
     def reach(self) -> int:
         """How many events before an event its ``"window"`` encoding can depend on."""
@@ -109,7 +142,7 @@ class ReferenceRanker(nn.Module):
         x = self.item(torch.remainder(item, self.item_buckets))
         if side.shape[1] != len(self.side):
             raise UserwiseError(f"the batch has {side.shape[1]} side-info features, the model {len(self.side)}; "
-                                "set side_features= to match the Fields")
+                                "build the model with ReferenceRanker.for_batch(batch) (or side_features=)")
         for i, emb in enumerate(self.side):
             x = x + emb(torch.remainder(side[:, i], self.side_buckets))
         return x
@@ -164,6 +197,9 @@ class ReferenceRanker(nn.Module):
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean binary cross-entropy over impressions and labels (0 with the graph kept for an
         empty batch, so every rank of a DDP job still runs its backward)."""
+        if logits.shape[-1] != labels.shape[-1]:
+            raise UserwiseError(f"the batch has {labels.shape[-1]} labels, the model {logits.shape[-1]} logits per "
+                                "impression; build the model with ReferenceRanker.for_batch(batch) (or num_labels=)")
         if logits.numel() == 0:
             return logits.sum() * 0.0
         return nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))

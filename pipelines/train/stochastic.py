@@ -29,12 +29,11 @@ import torch
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader import JaggedBatch
-from userwise.pipelines.train.spans import segment_ids
+from userwise.pipelines.loader.jagged import offsets, pack, positions, request_spans
 
-__all__ = ["stochastic_length", "keep_mask", "with_arrays"]
+__all__ = ["stochastic_length", "keep_mask"]
 
 M32 = 0xFFFFFFFF
-ALIGN = 64
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +64,7 @@ def keep_mask(seq_offsets: torch.Tensor, sample_id: torch.Tensor, *, max_len: in
     n = so[1:] - so[:-1]
     keep_len = int(max_len ** (alpha / 2))
     sid = sample_id.long()
-    ev_sample = segment_ids(so)
-    pos = torch.arange(ev_sample.numel(), device=so.device) - so[:-1][ev_sample]
+    ev_sample, pos = positions(so)
     # the per-sample draw: u < 1 - N^alpha / n^2 cuts the sample (only where n > N^(alpha/2))
     u = _hash(seed, epoch, sid, torch.full_like(sid, M32)).double() / 2.0 ** 32
     cut = (n > keep_len) & (u < 1.0 - (float(max_len) ** alpha) / n.double().clamp(min=1) ** 2)
@@ -80,27 +78,30 @@ def keep_mask(seq_offsets: torch.Tensor, sample_id: torch.Tensor, *, max_len: in
     return ~cut[ev_sample] | (rank < keep_len)
 
 
-def with_arrays(batch: JaggedBatch, arrays: dict, meta: dict | None = None) -> JaggedBatch:
+def _with_arrays(batch: JaggedBatch, arrays: dict, meta: dict) -> JaggedBatch:
     """A new :class:`JaggedBatch` with some arrays replaced (same names and dtypes, any
     lengths), packed into one buffer on the batch's device as the loader packs it."""
-    spec, parts, off = [], [], 0
-    for name, dt, _, _ in batch.spec:
-        t = arrays.get(name, None)
+    def fill(t):
+        return lambda view: view.copy_(t.reshape(-1))
+
+    items = []
+    for name, *_ in batch.spec:
+        t = arrays.get(name)
         t = batch[name] if t is None else t
-        raw = t.contiguous().view(torch.uint8).reshape(-1)
-        spec.append((name, dt, off, t.numel()))
-        parts.append((off, raw))
-        off += -(-raw.numel() // ALIGN) * ALIGN
-    buf = torch.zeros(max(off, ALIGN), dtype=torch.uint8, device=batch.device)
-    for o, raw in parts:
-        buf[o:o + raw.numel()] = raw
-    return JaggedBatch(buf, tuple(spec), dict(batch.meta if meta is None else meta))
+        items.append((name, t.dtype, t.numel(), fill(t)))
+    buf, spec = pack(items, lambda n: torch.empty(n, dtype=torch.uint8, device=batch.device))
+    return JaggedBatch(buf, spec, meta)
 
 
 def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, seed: int = 0,
                       epoch: int = 0) -> JaggedBatch:
     """The batch with every sample's stored sequence sub-sampled (module doc); requests' spans,
-    ``seq.offsets``, ``num_events`` and ``cost`` follow. Fat-row overrides are left as they are."""
+    ``seq.offsets``, ``num_events`` and ``cost`` follow. Fat-row overrides are left as they are.
+
+    Example::
+
+        batch = stochastic_length(batch, max_len=1000, alpha=1.6, seed=0, epoch=loader.epoch)
+    """
     if "sample_id" not in batch:
         raise UserwiseError("stochastic_length draws per sample_id; read the batch with the sample_id column")
     so = batch["seq.offsets"].long()
@@ -112,15 +113,13 @@ def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, s
     if strings:
         raise UserwiseError(f"stochastic_length cannot sub-sample string sequence fields {strings}; "
                             "read the batch without them (columns=...)")
-    csum = torch.zeros(keep.numel() + 1, dtype=torch.long, device=so.device)
-    csum[1:] = torch.cumsum(keep.long(), 0)
+    csum = offsets(keep.long())  # kept events before each stored event
     new_so = csum[so]
     rs = batch["req.sample"].long()
-    base = so[:-1][rs]
     out = {"seq.offsets": new_so.to(batch["seq.offsets"].dtype)}
-    for name in ("req_seq_begin", "req_seq_end"):
-        rel = batch[name].long()
-        out[name] = (csum[base + rel] - new_so[:-1][rs]).to(batch[name].dtype)
+    for name, flat in zip(("req_seq_begin", "req_seq_end"),
+                          request_spans(so, rs, batch["req_seq_begin"], batch["req_seq_end"])):
+        out[name] = (csum[flat] - new_so[:-1][rs]).to(batch[name].dtype)
     for name, (group, _) in cols.items():
         if group == "seq":
             out[name] = batch[name][keep]
@@ -133,4 +132,4 @@ def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, s
     meta = dict(batch.meta)
     if "events" in meta:
         meta["events"] = int(new_so[-1])
-    return with_arrays(batch, out, meta)
+    return _with_arrays(batch, out, meta)

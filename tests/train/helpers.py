@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader
+from userwise.pipelines.loader.jagged import pack
 from userwise.pipelines.tools.shardgen import write_shard_set
 from userwise.pipelines.train import Spans, UserBatch
 
@@ -21,6 +22,15 @@ def shard_set(root: str, *, max_seq_len: int, samples: int = 80, seed: int = 0, 
 def jagged_batches(root: str, batch_size: int = 16, **kw) -> list:
     ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", **kw)
     return list(UserwiseLoader(ds, num_workers=0))
+
+
+def with_arrays(batch: JaggedBatch, arrays: dict) -> JaggedBatch:
+    """``batch`` with some arrays replaced (any lengths), packed as the loader packs a batch:
+    a forged batch for the checks that refuse one."""
+    items = [(n, t.dtype, t.numel(), lambda view, t=t: view.copy_(t)) for n in batch.keys()
+             for t in [arrays[n] if n in arrays else batch[n]]]
+    buf, spec = pack(items, lambda n: torch.empty(n, dtype=torch.uint8, device=batch.device))
+    return JaggedBatch(buf, spec, dict(batch.meta))
 
 
 def synthetic(seed: int, *, samples: int = 6, max_len: int = 5, side: int = 2) -> UserBatch:

@@ -18,7 +18,7 @@ from userwise.pipelines.train import (
     hstu_varlen_mask,
     spans,
 )
-from userwise.pipelines.train.layouts import FUNC_PAD
+from userwise.pipelines.train.kernel_args import FUNC_PAD
 
 LAYOUTS = {
     "hstu_mha": lambda sp: hstu_mha_layout(sp),

@@ -11,22 +11,19 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from tests.train.helpers import synthetic
+from tests.train.helpers import synthetic, with_arrays
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader import expand_batch
+from userwise.pipelines.loader.jagged import ranges
 from userwise.pipelines.train import (
     Intervals,
-    block_attention,
     causal_intervals,
-    dense_attention,
     dense_causal_masks,
     dense_target_masks,
-    flex_attention,
     spans,
     target_intervals,
-    with_arrays,
 )
-from userwise.pipelines.train.spans import ranges
+from userwise.pipelines.train.attention import block_attention, dense_attention, flex_attention
 
 CUDA = torch.cuda.is_available()
 

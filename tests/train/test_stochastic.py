@@ -8,8 +8,9 @@ import torch
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader import expand_batch
-from userwise.pipelines.train import ReferenceRanker, UserBatch, keep_mask, spans, stochastic_length
-from userwise.pipelines.train.spans import ranges
+from userwise.pipelines.loader.jagged import ranges
+from userwise.pipelines.train import ReferenceRanker, UserBatch, spans, stochastic_length
+from userwise.pipelines.train.stochastic import keep_mask
 
 N, ALPHA = 8, 1.5  # the long set's max_seq_len; keeps int(8 ** 0.75) = 4 events of a cut sample
 

@@ -1,4 +1,4 @@
-"""What every impression of a batch sees: its sample, its request and its span.
+"""The batch-level pointer: what every impression of a batch sees (its sample, its request, its span).
 
 The loader's :class:`~userwise.pipelines.loader.JaggedBatch` stores the pointer
 sample-relative (``req_seq_begin`` / ``req_seq_end`` per request, ``imp.req``
@@ -22,26 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.loader.jagged import request_spans, segment_ids
 
-__all__ = ["Spans", "spans", "ranges"]
-
-
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated aranges ``[s, s + l)`` as one int64 index tensor (any device, no loop)."""
-    starts, lengths = starts.long(), lengths.long()
-    n = int(lengths.sum()) if lengths.numel() else 0
-    if n == 0:
-        return torch.zeros(0, dtype=torch.long, device=starts.device)
-    first = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - first, lengths, output_size=n) + torch.arange(n, device=starts.device)
-
-
-def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """For offsets [S+1], the segment of every element: ``[0, 0, 1, 2, 2, ...]``."""
-    offsets = offsets.long()
-    counts = offsets[1:] - offsets[:-1]
-    total = int(offsets[-1]) if offsets.numel() else 0
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts, output_size=total)
+__all__ = ["Spans", "spans"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +38,13 @@ class Spans:
     sees events ``[req_begin, req_end)``);
     per impression (N): ``imp_sample``, ``imp_req`` (batch-level request), ``imp_begin`` /
     ``imp_end`` (its request's span, flat indices).
+
+    Example::
+
+        sp = Spans.from_arrays(seq_offsets=torch.tensor([0, 3]), req_offsets=torch.tensor([0, 2]),
+                               req_begin=torch.tensor([0, 1]), req_end=torch.tensor([1, 3]),
+                               imp_offsets=torch.tensor([0, 3]), imp_req=torch.tensor([0, 1, 1]))
+        sp.imp_begin, sp.imp_end           # tensor([0, 1, 1]), tensor([1, 3, 3])
     """
 
     seq_offsets: torch.Tensor
@@ -108,8 +98,7 @@ class Spans:
                 raise UserwiseError(
                     f"request {r} of the batch points at events [{int(rb[r])}, {int(re[r])}) of a sample that stores "
                     f"{int(n_ev[r])}: the batch is not a user-wise batch (build it with the loader or shardgen)")
-        base = so[:-1][req_sample]
-        g_begin, g_end = base + rb, base + re
+        g_begin, g_end = request_spans(so, req_sample, rb, re)
         ir = imp_req.long()
         imp_sample = req_sample[ir]
         if check and ir.numel() and bool((segment_ids(io) != imp_sample).any()):
@@ -129,6 +118,11 @@ def spans(batch, *, overrides: str = "refuse", check: bool = True) -> Spans:
     raises for such a batch; ``"empty"`` gives those requests an empty span (their
     impressions are scored without history).
     ``check``: verify that every span lies inside its sample (one host sync).
+
+    Example::
+
+        sp = spans(batch)
+        sp.imp_begin[:3], sp.imp_end[:3]       # what the first three impressions see
     """
     if overrides not in ("refuse", "empty"):
         raise UserwiseError(f"overrides={overrides!r}: use 'refuse' or 'empty'")

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.train.spans import Spans, segment_ids
+from userwise.pipelines.loader.jagged import offsets, positions
+from userwise.pipelines.train.batch_spans import Spans
 
 __all__ = ["KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask", "hstu_varlen_mask", "audit",
            "FUNC_PAD"]
@@ -54,7 +55,16 @@ FUNC_PAD = 256  # NVIDIA's kernel reads func rows past the last query row (its t
 
 @dataclass(frozen=True)
 class KernelLayout:
-    """One kernel's jagged layout of a batch (see module doc)."""
+    """One kernel's jagged layout of a batch (see module doc): its ``offsets``, which event or
+    impression each slot holds (``slot_event``, ``slot_target``, -1 where none), and the
+    call's other arguments (:meth:`kwargs`).
+
+    Example::
+
+        lay = hstu_varlen_layout(sp)
+        out = hstu_attn_varlen_func(q, k, v, **lay.kwargs())   # q = lay.values(ev_q, tgt_q)
+        scores = lay.targets(out)                             # the impressions' rows, batch order
+    """
 
     kernel: str
     offsets: torch.Tensor
@@ -106,10 +116,8 @@ def _per_sample(sp: Spans):
     """Slots of one sequence per sample: its stored events, then its impressions."""
     T = sp.seq_offsets[1:] - sp.seq_offsets[:-1]
     K = sp.imp_offsets[1:] - sp.imp_offsets[:-1]
-    off = torch.zeros(T.numel() + 1, dtype=torch.long, device=sp.device)
-    off[1:] = torch.cumsum(T + K, 0)
-    seq = segment_ids(off)
-    p = torch.arange(seq.numel(), device=sp.device) - off[:-1][seq]
+    off = offsets(T + K)
+    seq, p = positions(off)
     hist = p < T[seq]
     ev = torch.where(hist, sp.seq_offsets[:-1][seq] + p, -1)
     tg = torch.where(hist, -1, sp.imp_offsets[:-1][seq] + p - T[seq])
@@ -118,15 +126,13 @@ def _per_sample(sp: Spans):
 
 def _per_request(sp: Spans):
     """Slots of one sequence per request: its span, then its impressions."""
-    R, dev = sp.num_requests, sp.device
+    R = sp.num_requests
     H = sp.req_end - sp.req_begin
     K = torch.bincount(sp.imp_req, minlength=R)
     order = torch.argsort(sp.imp_req, stable=True)  # impressions grouped by request
     kstart = torch.cumsum(K, 0) - K
-    off = torch.zeros(R + 1, dtype=torch.long, device=dev)
-    off[1:] = torch.cumsum(H + K, 0)
-    seq = segment_ids(off)
-    p = torch.arange(seq.numel(), device=dev) - off[:-1][seq]
+    off = offsets(H + K)
+    seq, p = positions(off)
     hist = p < H[seq]
     ev = torch.where(hist, sp.req_begin[seq] + p, -1)
     j = torch.where(hist, 0, kstart[seq] + p - H[seq])
@@ -164,7 +170,13 @@ def hstu_mha_layout(sp: Spans, *, split: str = "auto") -> KernelLayout:
     """generative-recommenders ``hstu_mha``: ``seq_offsets`` int64, ``num_targets`` int64.
     Samples of one request are laid out as they are; a batch with any sample of several
     requests is split into one sequence per request (``split="auto"``/``"request"``) or
-    refused (``"refuse"``)."""
+    refused (``"refuse"``).
+
+    Example::
+
+        lay = hstu_mha_layout(spans(batch))
+        audit(lay, spans(batch))["leak_free"]        # True
+    """
     by_req = _split_or_refuse(sp, split, "hstu_mha")
     off, K, ev, tg, _, _ = (_per_request if by_req else _per_sample)(sp)
     n = off[1:] - off[:-1]
@@ -184,7 +196,13 @@ def hstu_varlen_layout(sp: Spans, *, mode: str = "func", encoder: str = "sample"
     newest up to itself); target rows see their request's span, and themselves with
     ``self_attend`` (needs ``n_func >= 5``). Exact for any sample.
     ``mode="targets"``: ``num_targets`` int32 with ``target_group_size=1`` and a causal window;
-    laid out as :func:`hstu_mha_layout` (``split``)."""
+    laid out as :func:`hstu_mha_layout` (``split``).
+
+    Example::
+
+        lay = hstu_varlen_layout(spans(batch), mode="func", encoder="window", window=50)
+        lay.kwargs()["func"].shape                   # [1, 3, total + 256]
+    """
     if mode == "targets":
         by_req = _split_or_refuse(sp, split, "hstu_attn_varlen_func(num_targets)")
         off, K, ev, tg, _, _ = (_per_request if by_req else _per_sample)(sp)
@@ -231,10 +249,9 @@ def hstu_varlen_layout(sp: Spans, *, mode: str = "func", encoder: str = "sample"
 
 
 # -- what the kernels apply ------------------------------------------------------------
-def _slots(offsets: torch.Tensor):
-    off = offsets.long()
-    seq = segment_ids(off)
-    p = torch.arange(seq.numel(), device=off.device) - off[:-1][seq]
+def _slots(slot_offsets: torch.Tensor):
+    off = slot_offsets.long()
+    seq, p = positions(off)
     return off, seq, p
 
 
@@ -242,7 +259,13 @@ def hstu_mha_mask(seq_offsets: torch.Tensor, num_targets: torch.Tensor | None, m
     """[total, total] bool: slot i attends to slot j under GR ``hstu_mha`` (causal, no
     contextual tokens). Targets share the id ``n - num_targets`` of the first target slot:
     a slot sees itself and the slots of smaller id, so every target sees the whole history
-    and no other target; ``max_attn_len`` keeps ids at most that far back."""
+    and no other target; ``max_attn_len`` keeps ids at most that far back.
+
+    Example::
+
+        lay = hstu_mha_layout(sp)
+        m = hstu_mha_mask(lay.offsets, lay.num_targets)   # [total, total]
+    """
     off, seq, p = _slots(seq_offsets)
     n = (off[1:] - off[:-1])[seq]
     h = n - (num_targets.long()[seq] if num_targets is not None else 0)
@@ -261,7 +284,13 @@ def hstu_varlen_mask(cu_seqlens: torch.Tensor, *, num_targets: torch.Tensor | No
     """[total, total] bool: slot i attends to slot j under NVIDIA ``hstu_attn_varlen_func``
     (self-attention: the same offsets for q and k, no contexts). ``func``: row p sees
     ``[0, f0) | [f1, f2) | ...``; otherwise causal (``window_size=(-1, 0)``), where a target row
-    does not see the targets before its own group of ``target_group_size``."""
+    does not see the targets before its own group of ``target_group_size``.
+
+    Example::
+
+        lay = hstu_varlen_layout(sp)
+        m = hstu_varlen_mask(lay.offsets, func=lay.func)   # [total, total]
+    """
     off, seq, p = _slots(cu_seqlens)
     total = seq.numel()
     same = seq[:, None] == seq[None, :]
@@ -305,7 +334,13 @@ def audit(layout: KernelLayout, sp: Spans, mask: torch.Tensor | None = None) -> 
     - ``no_other_impressions``: through any number of layers, a target depends on no other
       impression;
 
-    and ``leak_free`` (the last two)."""
+    and ``leak_free`` (the last two).
+
+    Example::
+
+        sp = spans(batch)
+        audit(hstu_varlen_layout(sp), sp)   # {"spans_exact": True, ..., "leak_free": True}
+    """
     if mask is None:
         if layout.kernel == "hstu_mha":
             mask = hstu_mha_mask(layout.offsets, layout.num_targets)
