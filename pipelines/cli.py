@@ -398,7 +398,7 @@ COMMANDS = {
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "replay": ("serve a shard set's requests through the K/V cache and a full recompute: equal logits, hit rates, "
                "tokens recomputed, resident bytes, requests per second", _replay_args,
-               "userwise.pipelines.serve.replay:cli"),
+               "userwise.pipelines.serve.build_replay:cli"),
     "backfill": ("run the daily chain over a date range, skipping published days",
                  _backfill_args, "userwise.pipelines.manage.backfill:cli"),
     "forget": ("remove users from every table of a build folder and from its shard sets (privacy)",

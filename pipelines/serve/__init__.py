@@ -22,7 +22,7 @@ Modules, in the order a request flows through them:
   target attention over the cached keys and values), equal to the training forward over
   the whole held sequence; the prefix-stability check that says which encoders may be
   cached;
-- ``replay``: a build's requests as a serving trace (per node, in time order) served
+- ``build_replay``: a build's requests as a serving trace (per node, in time order) served
   through the cache and through a full recompute, with the report: logits equal, hit
   rates per tier, tokens recomputed, resident bytes, requests per second
   (``userwise replay``).
@@ -30,6 +30,7 @@ Modules, in the order a request flows through them:
 Torch and numpy (and pyarrow, where the replay reads a shard set); never imports pyspark.
 """
 
+from userwise.pipelines.serve.build_replay import Trace, TraceRequest, read_trace, replay
 from userwise.pipelines.serve.chain import Chain, chain_of, chains_of, longest_valid_prefix
 from userwise.pipelines.serve.incremental import (
     CACHEABLE,
@@ -45,7 +46,6 @@ from userwise.pipelines.serve.incremental import (
     score,
     training_encoder,
 )
-from userwise.pipelines.serve.replay import Trace, TraceRequest, read_trace, replay
 from userwise.pipelines.serve.routing import node_of, nodes_of, user_keys
 from userwise.pipelines.serve.store import TIERS, KVStore, Lease
 

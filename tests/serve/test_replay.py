@@ -10,7 +10,6 @@ command prints its report and exits 2 when logits differ; docs/serving.md's loop
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from pathlib import Path
@@ -23,12 +22,11 @@ import torch
 from userwise import schemas
 from userwise.pipelines import cli
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.serve import TIERS, KVStore, chain_of, nodes_of, read_trace, replay
+from userwise.pipelines.serve import TIERS, KVStore, build_replay, chain_of, nodes_of, read_trace, replay
 from userwise.pipelines.shards import preshard
 from userwise.pipelines.tools import shardgen
 from userwise.pipelines.train import ReferenceRanker
 
-replay_mod = importlib.import_module("userwise.pipelines.serve.replay")  # the module (the package's replay is its function)
 L = 20  # shardgen's max_seq_len
 SMALL = dict(page_size=8, device_bytes=40_000, host_bytes=80_000, disk_bytes=200_000)  # every tier in use
 
@@ -106,7 +104,7 @@ def test_a_cache_that_ignores_the_chain_is_caught(shards, capsys, monkeypatch):
     assert not eq["equal"] and eq["over_tolerance"] > 0 and eq["over_tolerance_training"] > 0
     assert eq["max_abs_diff"] > 1e-3
     # the command prints the report, then one error line, and exits 2
-    monkeypatch.setattr(replay_mod, "KVStore", KeyedByLength)
+    monkeypatch.setattr(build_replay, "KVStore", KeyedByLength)
     capsys.readouterr()
     rc = cli.main(["replay", "--shards", shards, "--serving-nodes", "2", "--dtype", "float64", "--dim", "16", "--json",
                    "--quiet"])
