@@ -26,8 +26,8 @@ def test_serve_bench_runs_end_to_end_on_tiny_sizes(tmp_path):
     for x in res["runs"]:
         assert x["cached_events"] == x["history"] - 24 and x["new_events"] == 24
         assert all(x[f"{k}_ms"] > 0 for k in ("full", "cached", "cached_store", "score_only", "least_plan"))
-        assert x["speedup"] == pytest.approx(x["full_ms"] / x["cached_ms"], rel=0.01)  # of the medians
-        assert x["speedup_with_store"] == pytest.approx(x["full_ms"] / x["cached_store_ms"], rel=0.01)
+        assert x["speedup"] == pytest.approx(x["full_ms"] / x["cached_ms"], rel=0.01, abs=0.006)  # 2 decimals
+        assert x["speedup_with_store"] == pytest.approx(x["full_ms"] / x["cached_store_ms"], rel=0.01, abs=0.006)
         # the store reuses the held state up to its last full page (64 events)
         assert x["store_reused_events"] == (x["cached_events"] // 64) * 64
     assert res["verdicts"] == []  # the target's size (4096, 256) is not in a quick run
