@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,15 @@ TOP_KEYS = {
     "request_scope": "global",
     # skew: rows of one user are split by this time bucket before any per-user window
     "skew_bucket_seconds": 3600,
+    # how long after its action time an event is visible to serving (lean input): a duration
+    # with its unit (500ms, 30s, 5m, 2h, 1d) or 0; a request at t sees the events before t - lag
+    "availability_lag": 0,
+    # events per block of the event chain every sample carries (schemas.hashing): a serving
+    # cache verifies its K/V against it in blocks of this many events (its page size)
+    "chain_block": 64,
 }
+# the units availability_lag may be written in, in microseconds
+DURATION_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000, "m": 60_000_000, "h": 3_600_000_000, "d": 86_400_000_000}
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ class Config:
     max_year: int | None = None
     request_scope: str = "global"
     skew_bucket_seconds: int = 3600
+    availability_lag: int | str = 0
+    chain_block: int = 64
     actions: ActionsConfig | None = None
     source: str | None = field(default=None, compare=False)
 
@@ -128,6 +139,11 @@ class Config:
     @property
     def units_per_second(self) -> int:
         return UNITS_PER_SECOND[self.time_unit]
+
+    @property
+    def lag_units(self) -> int:
+        """``availability_lag`` in time units: a request at t sees the events before t - lag."""
+        return duration_units(self.availability_lag, self.time_unit)
 
     def storage(self) -> Config:
         """The same config with every column named by its storage name (as the Spark
@@ -223,6 +239,29 @@ class Config:
 SECONDS_PER_DAY = 86400
 
 
+def duration_units(value: Any, time_unit: str) -> int:
+    """A duration of the config (``availability_lag``: ``0`` or a whole number with its unit,
+    one of :data:`DURATION_UNITS`: ``500ms``, ``30s``, ``5m``, ``2h``, ``1d``) in ``time_unit``
+    units. ConfigError when it is not one, or not a whole number of time units.
+
+    Example::
+
+        duration_units("30s", "ms")    # 30000
+    """
+    if value == 0 and not isinstance(value, bool):
+        return 0
+    m = re.fullmatch(r"\s*(\d+)\s*([a-z]+)\s*", value) if isinstance(value, str) else None
+    if m is None or m.group(2) not in DURATION_UNITS:
+        raise ConfigError("availability_lag", f"expected 0 or a duration with its unit "
+                          f"({', '.join(DURATION_UNITS)}), e.g. 30s or 500ms; found {value!r}")
+    micros = int(m.group(1)) * DURATION_UNITS[m.group(2)]
+    per = 1_000_000 // UNITS_PER_SECOND[time_unit]  # microseconds per time unit
+    if micros % per:
+        raise ConfigError("availability_lag", f"{value!r} is not a whole number of time_unit {time_unit}; "
+                          f"write it in {time_unit} or a larger unit")
+    return micros // per
+
+
 def day_start(date, ups: int) -> int:
     """Epoch time (time units) of a UTC date's midnight."""
     return (date - dt.date(1970, 1, 1)).days * SECONDS_PER_DAY * ups
@@ -285,7 +324,7 @@ def parse(raw: Any, source: str | None = None) -> Config:
     if opts["time_unit"] not in TIME_UNITS:
         raise ConfigError("time_unit", f"{opts['time_unit']!r} is not one of {', '.join(TIME_UNITS)}")
     for k in ("max_seq_len", "history_length", "max_sample_cost", "seed", "min_year", "max_year",
-              "skew_bucket_seconds"):
+              "skew_bucket_seconds", "chain_block"):
         if k == "max_year" and opts[k] is None:
             continue
         if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 0:
@@ -315,6 +354,9 @@ def parse(raw: Any, source: str | None = None) -> Config:
         raise ConfigError("max_quarantine_share", f"expected a share in [0, 1], found {share!r}")
     if opts["skew_bucket_seconds"] < 1:
         raise ConfigError("skew_bucket_seconds", "must be at least 1")
+    if opts["chain_block"] < 1:
+        raise ConfigError("chain_block", "must be at least 1 (events per block of the event chain)")
+    lag = duration_units(opts["availability_lag"], opts["time_unit"])
     seq = cols.get("sequence")
     if seq is not None:
         if not seq:
@@ -324,6 +366,9 @@ def parse(raw: Any, source: str | None = None) -> Config:
                 raise ConfigError(f"columns.sequence.{role}", "required for fat rows: the snapshot's list column")
         for role, c in seq.items():
             _expect(f"columns.sequence.{role}", c, "str")
+        if lag:
+            raise ConfigError("availability_lag", "fat rows carry their own snapshots: what each request saw is "
+                              "its snapshot, so a lag has nothing to move; remove availability_lag (or set it to 0)")
     actions = None
     a = cols.get("actions")
     if a is not None:

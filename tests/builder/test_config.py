@@ -41,6 +41,13 @@ def test_valid_lean_and_fat():
     (lambda c: c["columns"].update(action_labels=["dwell"]), "columns.action_labels", "not one of"),
     (lambda c: c.update(request_scope="session"), "request_scope", "not one of"),
     (lambda c: c.update(min_year=2000, max_year=1999), "max_year", "after min_year"),
+    (lambda c: c.update(availability_lag=30), "availability_lag", "with its unit"),
+    (lambda c: c.update(availability_lag="30 sec"), "availability_lag", "with its unit"),
+    (lambda c: c.update(availability_lag="-5s"), "availability_lag", "with its unit"),
+    (lambda c: c.update(availability_lag="1500us"), "availability_lag", "not a whole number of time_unit ms"),
+    (lambda c: c.update(availability_lag="500ms", time_unit="s"), "availability_lag", "time_unit s"),
+    (lambda c: c.update(chain_block=0), "chain_block", "at least 1"),
+    (lambda c: c.update(chain_block="64"), "chain_block", "non-negative integer"),
 ])
 def test_bad_config_names_the_key(mutate, key, words):
     c = copy.deepcopy(LEAN_CFG)
@@ -50,6 +57,21 @@ def test_bad_config_names_the_key(mutate, key, words):
     assert e.value.key == key
     assert words in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_availability_lag_and_chain_block():
+    """The lag is a duration with its unit, read in the config's time unit (0 by default); a
+    fat-row config refuses a non-zero one (its snapshots are what each request saw)."""
+    assert C.parse(LEAN_CFG).lag_units == 0 and C.parse(LEAN_CFG).chain_block == 64
+    for lag, unit, units in [("30s", "ms", 30_000), ("2h", "s", 7200), ("1d", "us", 86_400_000_000),
+                             ("500ms", "ms", 500), (" 5m ", "ms", 300_000), (0, "s", 0), ("0s", "ms", 0)]:
+        c = C.parse(cfg(availability_lag=lag, time_unit=unit, chain_block=8))
+        assert (c.lag_units, c.chain_block) == (units, 8), lag
+        assert C.parse(c.to_dict()) == c  # the build record keeps it as written
+    with pytest.raises(C.ConfigError) as e:
+        C.parse({**fat_cfg(), "availability_lag": "1s"})
+    assert e.value.key == "availability_lag" and "fat rows" in str(e.value)
+    assert C.parse({**fat_cfg(), "availability_lag": 0}).lag_units == 0
 
 
 @pytest.mark.parametrize("mutate,key,words", [
