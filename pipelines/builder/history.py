@@ -2,8 +2,9 @@
 
 The events table is the truth. A window's stored stream is, per user, the
 newest L events strictly before its start (L = max_seq_len: all that a request
-of the window can see of the past) plus its own events; the history as of a
-date D is the newest H events strictly before D. Both are one Spark
+of the window can see of the past) plus its own events, both moved back by the
+config's availability lag; the history as of a date D is the newest H events
+strictly before D (the stream's state once the day is over: no lag). Both are one Spark
 computation over the events for any number of dates (the sample sets'
 streams in :func:`pointer.lean_sets`, the history in :func:`newest`): nothing
 replays days or reads an old Delta version.

@@ -280,12 +280,15 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     (start None: from the beginning, the pretrain set). Every step is per (user, _set), so
     one Spark plan serves them all and one set is the same code.
 
-    Each user's events are collected once, in the stream's total order, and each (user, set)
-    row slices its stream from them: the newest L events strictly before the set's start
-    (its base: all a request of the set can see of the past) and the set's own events, cut
-    where one sort of the user's events merged with every set's bounds places them. A
-    request's seq_end (the events strictly before its time) comes from one sort of the
-    set's events and requests merged (a request precedes events at its own time), its
+    Visibility is decided at ``availability_lag`` (D, :attr:`Config.lag_units`) before each
+    time: a request at t sees the events strictly before t - D, and a set's bounds move by D
+    with it. Each user's events are collected once, in the stream's total order, and each
+    (user, set) row slices its stream from them: the newest L events strictly before the
+    set's start - D (its base: all a request of the set can see of the past) and the events
+    in [start - D, end - D), cut where one sort of the user's events merged with every set's
+    bounds places them. A request's seq_end (the events strictly before its time - D) comes
+    from one sort of the set's events and requests merged (a request precedes events at its
+    time - D), its
     chunk from :func:`chunk_ids`; as seq_end grows with the request order, a chunk's stored
     range runs from the begin of its first request that sees an event to the end of its
     last. Only keys and events go through these rows; the requests' wide columns join back
@@ -294,17 +297,19 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     What a heavy user costs: its events (narrow, in the build's range) are one row and each
     of its sets' request keys another, passed through one task, as the chunk fold needs
     anyway; nothing wide is ever grouped by more than a chunk."""
-    L = cfg.max_seq_len
+    L, lag = cfg.max_seq_len, cfg.lag_units
     part = (SET,)
     keys = S.sort_key(layout)
     cols = event_cols(layout)
     ts = EV + "ts"
-    ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in bounds)))
+    # visibility is decided at a time lag before each time: a request's, a set's bounds
+    seen = [(None if b is None else b - lag, e - lag) for b, e in bounds]
+    ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in seen)))
     st = F.struct(*[F.col(k) for k in keys], *[F.col(c) for c in cols if c not in keys])
     per_user = ev.groupBy("user").agg(F.sort_array(F.collect_list(st)).alias("_E"))
     # Where the sets' bounds cut each user's events, so a set's base and own events are two
     # slices, not scans of all the events.
-    cut_times = sorted({t for b in bounds for t in b if t is not None})
+    cut_times = sorted({t for b in seen for t in b if t is not None})
     cut = {t: r for r, t in enumerate(cut_times)}
     cuts = events_before_each(F.transform("_E", lambda e: e[ts]), F.array(*[F.lit(t) for t in cut_times]))
     per_user = per_user.select("user", "_E", cuts.alias("_cuts"))
@@ -319,13 +324,14 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
         r = r if isinstance(r, Column) else F.lit(r)
         return F.when(F.col("_E").isNull() | (r < 0), F.lit(0)).otherwise(F.col("_cuts")[r])
 
-    c, d = events_before([b for b, _ in bounds]), events_before([e for _, e in bounds])
+    c, d = events_before([b for b, _ in seen]), events_before([e for _, e in seen])
     e_all = F.coalesce(F.col("_E"), F.array().cast(ev_type))
     base = F.slice(e_all, F.greatest(c - F.lit(L), F.lit(0)) + 1, F.least(c, F.lit(L)))  # the newest L before
     own = F.slice(e_all, c + 1, d - c)
     x = x.select("user", SET, "_R", F.concat(base, own).alias("_S"))
-    # seq_end: the set's events strictly before each request
-    ends = events_before_each(F.transform("_S", lambda e: e[ts]), F.transform("_R", lambda r: r["req_time"]))
+    # seq_end: the set's events strictly before each request's time less the lag
+    ends = events_before_each(F.transform("_S", lambda e: e[ts]),
+                              F.transform("_R", lambda r: r["req_time"] - F.lit(lag)))
     x = x.withColumn("_end", F.transform(ends, lambda e: e.cast("long")))
     q = F.transform("_R", lambda r, j: F.struct(
         r["req_time"].alias("req_time"), r["req_id"].alias("req_id"),

@@ -213,7 +213,8 @@ def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
     the pretrain set) as one Spark plan, not yet written (:func:`set_samples` writes it).
 
     Every step is keyed by (user, set): a lean set's stream is its base (the newest L
-    events before its start: all its requests can see) and its own events, every set's
+    events before its start less the availability lag: all its requests can see) and its
+    own events, every set's
     sliced from each user's events collected once (:func:`pointer.lean_sets`); a fat set's
     stream is its own requests' snapshots. One set is the same code, so the daily jobs
     equal a range build."""
@@ -270,8 +271,8 @@ def log_set(out: dict, ws: dt.date | None) -> None:
 
 
 def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
-    """Incremental samples of [ws, we): the newest L events before ws, derived from the
-    events table, plus the window's own events."""
+    """Incremental samples of [ws, we): the newest L events before ws (less the availability
+    lag), derived from the events table, plus the window's own events."""
     out = set_samples(spark, cfg, layout, output, [("incremental", ws, we)])[0]
     log_set(out, ws)
     return out

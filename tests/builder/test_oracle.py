@@ -31,12 +31,12 @@ def act(user, item, ts, bits, cat=None):
             "auth": 1000 + item, "date": E.date_of(ts)}
 
 
-def run(tmp_path, rows, actions=None, L=3, rejected=(), max_seq_len=None, cfg=None, rejected_actions=()):
+def run(tmp_path, rows, actions=None, L=3, rejected=(), max_seq_len=None, cfg=None, rejected_actions=(), lag=None):
     path = E._write(rows, E._imp_fields(False, False), tmp_path / "lean")
     apath = E._write(actions, E.ACT_FIELDS, tmp_path / "actions") if actions else None
     cfg = cfg or E.lean_config(actions=bool(actions), max_seq_len=L, history_length=2 * L)
     out = O.expected_pointwise(path, cfg, AS_OF, rejected, actions_path=apath, max_seq_len=max_seq_len,
-                               rejected_actions=rejected_actions)
+                               rejected_actions=rejected_actions, lag=lag)
     return {r["row_uid"]: r for r in out.iter_rows(named=True)}
 
 
@@ -90,6 +90,33 @@ def test_late_action_visible_from_its_time_on(tmp_path):
     got = run(tmp_path, rows)
     assert [got[u]["seq_item"] for u in (1, 2, 3, 4)] == [[], [], [], [30]]
     assert got[4]["seq_ts"] == [late] and got[4]["seq_action"] == [2]
+
+
+def test_a_lag_moves_what_a_request_sees_to_its_time_less_the_lag(tmp_path):
+    """With availability_lag D a request at t sees the events with action_time + D < t: an
+    event at exactly t - D is not visible (the tie), one a millisecond older is; the newest
+    L of them; a late action from its time + D on; no history is still an empty list."""
+    D = 2000
+    late = E.ms(E.day(4), 0, 0, 1)
+    rows = [
+        imp(1, 1, "a", T, 10, click=1, ats=T),  # its own request time: never visible to a
+        imp(2, 1, "b", T + D, 11, click=1, ats=T + D + 5),  # t - D == T: a's action is the tie
+        imp(3, 1, "c", T + D + 1, 12),  # sees a's action
+        imp(4, 1, "d", T + 2 * D + 5, 13, like=1, ats=late),  # t - D: b's action time (tie); liked days later
+        imp(5, 1, "e", T + 2 * D + 6, 14, click=1, ats=T + 2 * D + 6),  # sees a and b
+        imp(6, 1, "f", late + D, 15),  # the late like is the tie: sees a, b, e
+        imp(7, 1, "g", late + D + 1, 16),  # sees it: the newest L = 3 of a, b, e, d
+        imp(8, 2, "x", T + 10**6, 17),  # another user, no actions
+    ]
+    cfg = E.lean_config(max_seq_len=3, history_length=6, availability_lag="2s")
+    assert O.lag_units(cfg) == D and O.lag_units(dict(cfg, time_unit="s")) == 2
+    got = run(tmp_path, rows, cfg=cfg)
+    assert [got[u]["seq_item"] for u in range(1, 9)] == [[], [], [10], [10], [10, 11], [10, 11, 14], [11, 14, 13], []]
+    assert got[7]["seq_ts"] == [T + D + 5, T + 2 * D + 6, late] and got[7]["seq_action"] == [1, 1, 2]
+    # D = 0 is the rule without a lag; an explicit lag overrides the config's
+    plain = run(tmp_path / "b", rows, L=3)
+    assert [plain[u]["seq_item"] for u in (2, 3, 6)] == [[10], [10], [11, 14, 13]]
+    assert run(tmp_path / "c", rows, cfg=cfg, lag=0)[2]["seq_item"] == [10]
 
 
 def test_action_log_merge_nulls_first(tmp_path):

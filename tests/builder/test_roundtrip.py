@@ -37,10 +37,10 @@ WINDOWS = {
 }
 # Spark builds are slow (minutes each on a shared 2-core box): every window setting runs on the
 # richest log (lean + action log), every other variant once, each on a different setting.
-# CI time: four builds cover lean + action log (incremental only, both), fat rows (N=1 windows
-# plus pretrain) and pretrain only; tests/builder/test_build.py adds M=2/N=1 with the action log and a
-# lean log without one.
-CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain")]
+# CI time: five builds cover lean + action log (incremental only, both), fat rows (N=1 windows
+# plus pretrain), pretrain only, and lean + action log with an availability lag (N=1 windows plus
+# pretrain); tests/builder/test_build.py adds M=2/N=1 with the action log and a lean log without one.
+CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain"), ("lag", "daily")]
 IDS = [f"{v}-{w}" for v, w in CASES]
 
 
@@ -92,6 +92,7 @@ def logs(tmp_path_factory):
         "actions": E.make_lean(d / "actions", actions=True),
         "fat": E.make_fat(d / "fat"),
         "nan": E.make_lean(d / "nan", float_labels=True),
+        "lag": E.make_lean(d / "lag", actions=True, lag=True),
     }
 
 
@@ -149,7 +150,7 @@ def oracle_for(log: E.EdgeLog, max_seq_len: int | None = None) -> pl.DataFrame:
         return O.expected_fat(log.impressions, log.config, log.as_of, log.rejected)
     return O.expected_pointwise(log.impressions, log.config, log.as_of, log.rejected,
                                 actions_path=log.actions, max_seq_len=max_seq_len,
-                                rejected_actions=[r for r, _ in log.rejected_actions])
+                                rejected_actions=[r for r, _ in log.rejected_actions], lag=log.lag)
 
 
 def assert_same_rows(got: pl.DataFrame, want: pl.DataFrame, log: E.EdgeLog) -> None:
@@ -342,17 +343,19 @@ def test_samples_invariants(case, builder, spark):
         assert snaps[1] == log.planted["overrides"] and snaps[2] == log.planted["null_snapshots"], snaps
 
 
-def test_fat_range_build_sets_equal_the_daily_jobs_one_set_at_a_time(builder, spark, tmp_path):
-    """A fat range build writes the pretrain samples and every window's from one Spark plan
-    and one commit (a fat set's stream is its own snapshots: nothing waits for the day before).
-    The daily jobs (`pretrain`, then `window` per window) write one set at a time, on a copy of
-    the same build. Same rows, heavy user's chunks included."""
+@pytest.mark.parametrize("case", [("fat", "daily"), ("lag", "daily")], ids=["fat-daily", "lag-daily"])
+def test_range_build_sets_equal_the_daily_jobs_one_set_at_a_time(case, builder, spark, tmp_path):
+    """A range build writes the pretrain samples and every window's from one Spark plan and
+    one commit (a fat set's stream is its own snapshots; a lean one with an availability lag
+    takes its base, the newest L events before its start less the lag, from the events
+    table). The daily jobs (`pretrain`, then `window` per window) write one set at a time, on
+    a copy of the same build. Same rows, heavy user's chunks included."""
     import shutil
 
     from userwise.pipelines import config as C
     from userwise.pipelines.builder import daily
 
-    b = builder("fat", "daily")
+    b = builder(*case)
     sets = b.report["sets"]
     assert [s["kind"] for s in sets] == ["pretrain"] + ["incremental"] * (b.M // b.N)
     assert len({s["delta_version"] for s in sets}) == 1, sets  # one commit for all the sets

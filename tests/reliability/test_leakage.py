@@ -11,8 +11,10 @@ impressions' actions. The log is built (M = 1 or 2 days of one-day windows after
 set) and expanded in-process on the shared Spark session, and then:
 
 (a) every expanded impression's history holds only events strictly before its request
-    time, and none of its own request: each request's impressions carry a token of their
-    own in the item feature ``author``, which the history's ``seq_author`` shows;
+    time less the availability lag D (drawn: none, 1 ms or half a day, so that actions tie
+    with request times less D too), and none of its own request: each request's impressions
+    carry a token of their own in the item feature ``author``, which the history's
+    ``seq_author`` shows;
 (b) the expanded rows equal the independent oracle's (tests/support/oracle.py);
 (c) the counts reconcile against the ground truth (the report's ``reconciled`` and each term).
 
@@ -47,6 +49,7 @@ DAY = E.DAY
 TIMES_OF_DAY = [0, 1, DAY // 2, DAY - 1]
 DWELLS = [0, 1, DAY // 2, DAY - 1, DAY, DAY + 1]
 ACTION_LOG_TOKEN = 0  # `auth` of action-log events; requests' tokens start at 1
+LAGS = {0: 0, 1: "1ms", DAY // 2: "12h"}  # availability lags (ms) and how the config writes them
 
 
 def _ms(d: dt.date, t: int) -> int:
@@ -55,7 +58,7 @@ def _ms(d: dt.date, t: int) -> int:
 
 @st.composite
 def lean_logs(draw):
-    """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy)."""
+    """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy, lag in ms)."""
     L = draw(st.integers(2, 3), label="max_seq_len")
     cap = draw(st.integers(L + 1, L + 4), label="max_sample_cost")
     M = draw(st.sampled_from([1, 2]), label="pretrain_days")
@@ -95,13 +98,15 @@ def lean_logs(draw):
     copies = draw(st.lists(st.sampled_from(before), max_size=3), label="duplicated rows")
     rows = draw(st.permutations(rows + [dict(r) for r in copies]), label="input order")
     with_actions = bool(acts) and draw(st.booleans(), label="with action log")
-    return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies]
+    lag = draw(st.sampled_from(sorted(LAGS)), label="availability_lag (ms)")  # last: the draws before stay
+    return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies], lag
 
 
-def features(rows: list[dict], acts: list[dict] | None, copies: list[int]) -> set[str]:
+def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: int = 0) -> set[str]:
     """The edge cases a drawn log holds (plain Python over the rows, for coverage)."""
     as_of = E.ms(AS_OF)
     acted = [r for r in rows if r["click"] or r["like"]]
+    seen_at = {(r["user_id"], r["request_ts"] - lag) for r in rows}
     times = [r["request_ts"] for r in rows] + [r["action_ts"] for r in acted] + [a["ts"] for a in acts or []]
     per_user = Counter(r["user_id"] for r in {r["request_id"]: r for r in rows}.values())
     out = {
@@ -115,8 +120,12 @@ def features(rows: list[dict], acts: list[dict] | None, copies: list[int]) -> se
         "an action at another request's time": bool({r["action_ts"] for r in acted}
                                                     & {r["request_ts"] for r in rows}),
         "two actions in one request": any(n > 1 for n in Counter(r["request_id"] for r in acted).values()),
-        "a history": any(a["user_id"] == r["user_id"] and a["action_ts"] < r["request_ts"] < as_of
-                         for a in acted for r in rows),
+        "a history": any(a["user_id"] == r["user_id"] and a["action_ts"] < r["request_ts"] - lag
+                         and r["request_ts"] < as_of for a in acted for r in rows),
+        "a lag": lag > 0,
+        "no lag": lag == 0,
+        "an action at a request's time less the lag": lag > 0 and bool(
+            ({(r["user_id"], r["action_ts"]) for r in acted} | {(a["uid"], a["ts"]) for a in acts or []}) & seen_at),
     }
     return {k for k, v in out.items() if v}
 
@@ -133,9 +142,10 @@ def _write(rows: list[dict], fields, path) -> str:
     return str(path)
 
 
-def _edge_log(root, rows, acts, L, cap, copies) -> E.EdgeLog:
+def _edge_log(root, rows, acts, L, cap, copies, lag=0) -> E.EdgeLog:
     imp_fields = E.IMP_FIELDS + [("row_uid", pa.int64())]
-    cfg = config(L, max_sample_cost=cap, actions=acts is not None, history_length=L, max_quarantine_share=1.0)
+    cfg = config(L, max_sample_cost=cap, actions=acts is not None, history_length=L, max_quarantine_share=1.0,
+                 availability_lag=LAGS[lag])
     as_of_ms = E.ms(AS_OF)
     return E.EdgeLog(
         root=root, impressions=_write(rows, imp_fields, root / "impressions"),
@@ -144,18 +154,18 @@ def _edge_log(root, rows, acts, L, cap, copies) -> E.EdgeLog:
         rejected={u: R.DUPLICATE_ROW for u in copies}, quarantined=[(u, R.DUPLICATE_ROW) for u in copies],
         expected_uids={r["row_uid"] for r in rows if r["request_ts"] < as_of_ms},
         after_as_of_uids={r["row_uid"] for r in rows if r["request_ts"] >= as_of_ms},
-        rows_read=len(rows),
+        rows_read=len(rows), lag=lag,
     )
 
 
-def check_no_leak(got) -> Counter:
+def check_no_leak(got, lag: int = 0) -> Counter:
     """(a): from the expanded rows alone. Returns counts of what the histories held."""
     seen = Counter()
     for r in got.select("request_ts", "author", "seq_ts", "seq_author", "seq_item").iter_rows(named=True):
         where = f"impression of request token {r['author']} at {r['request_ts']}"
         assert len(r["seq_ts"]) == len(r["seq_author"]) == len(r["seq_item"]), where
-        late = [t for t in r["seq_ts"] if t >= r["request_ts"]]
-        assert not late, f"{where} sees events at or after its request time: {late}"
+        late = [t for t in r["seq_ts"] if t >= r["request_ts"] - lag]
+        assert not late, f"{where} sees events at or after its request time less the lag {lag}: {late}"
         assert r["author"] not in r["seq_author"], f"{where} sees an action of its own request"
         seen["impressions"] += 1
         seen["with history"] += bool(r["seq_ts"])
@@ -169,11 +179,11 @@ def check_no_leak(got) -> Counter:
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(drawn=lean_logs())
 def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
-    rows, acts, L, cap, M, copies = drawn
-    for f in features(rows, acts, copies):
+    rows, acts, L, cap, M, copies, lag = drawn
+    for f in features(rows, acts, copies, lag):
         event(f)
     root = tmp_path_factory.mktemp("leak")
-    log = _edge_log(root, rows, acts, L, cap, copies)
+    log = _edge_log(root, rows, acts, L, cap, copies, lag)
     out = root / "out"
     rc, err = run_cli(build_argv(log, out, M, 1))
     assert rc == 0, f"build failed: {err}"
@@ -183,7 +193,7 @@ def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
     assert rc == 0, f"expand failed: {err}"
     got = O.read_parquet_dir(dest)
 
-    seen = check_no_leak(got)  # (a)
+    seen = check_no_leak(got, lag)  # (a)
     assert seen["impressions"] == len(log.expected_uids)
     assert_same_rows(got, oracle_for(log), log)  # (b)
     assert report["reconciled"] is True and O.reconcile(report, log) == []  # (c)
@@ -198,18 +208,19 @@ def test_the_drawn_logs_hold_every_edge_case():
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(drawn=lean_logs())
     def tally(drawn):
-        rows, acts, _, _, _, copies = drawn
-        seen.update(features(rows, acts, copies))
+        rows, acts, _, _, _, copies, lag = drawn
+        seen.update(features(rows, acts, copies, lag))
 
     tally()
     want = {"duplicated rows", "action log", "a user with one request", "late actions", "actions after as-of",
             "action at its request time", "ties in time", "an action at another request's time",
-            "two actions in one request", "a history"}
+            "two actions in one request", "a history", "a lag", "no lag", "an action at a request's time less the lag"}
     assert want <= set(seen), f"never drawn: {want - set(seen)}"
 
 
 def test_the_leak_check_can_fail():
-    """check_no_leak rejects a history with an event at the request time, and one of its own request."""
+    """check_no_leak rejects a history with an event at the request time (less the lag), and one
+    of its own request."""
     import polars as pl
 
     ok = {"request_ts": [10], "author": [3], "seq_ts": [[5, 9]], "seq_author": [[1, 2]], "seq_item": [[1, 1]]}
@@ -218,3 +229,6 @@ def test_the_leak_check_can_fail():
         check_no_leak(pl.DataFrame(dict(ok, seq_ts=[[5, 10]])))
     with pytest.raises(AssertionError, match="own request"):
         check_no_leak(pl.DataFrame(dict(ok, seq_author=[[1, 3]])))
+    assert check_no_leak(pl.DataFrame(dict(ok, seq_ts=[[5, 8]])), lag=1)["with history"] == 1
+    with pytest.raises(AssertionError, match="less the lag 1"):
+        check_no_leak(pl.DataFrame(ok), lag=1)  # the event at 9 is at the request's time less the lag

@@ -24,6 +24,7 @@ Usage::
     log.impressions, log.actions, log.config, log.as_of, log.rejected, log.expected_uids
     fat = make_fat(tmp_path)            # fat-row variant with odd snapshots
     nan = make_lean(tmp_path, float_labels=True)   # `like` float64 with NaN / inf rows
+    lag = make_lean(tmp_path, actions=True, lag=True)   # availability_lag LAG, a user of its edge cases
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ START = dt.date(2026, 3, 1)  # data: 2026-03-01 .. 2026-03-06
 AS_OF = "2026-03-06"  # the last day (03-06) is at/after as-of
 L = 6  # max_seq_len of the edge config
 MAX_COST = 40
+LAG = "2s"  # make_lean(lag=True): the availability lag of the edge config ...
+LAG_MS = 2000  # ... in its time unit
 HEAVY_USER = 200
 
 
@@ -134,6 +137,7 @@ class EdgeLog:
     planted: dict = field(default_factory=dict)  # counts the report should show (fat: overrides, ...)
     heavy_user: int = HEAVY_USER
     fat: bool = False
+    lag: int = 0  # the config's availability_lag, in its time unit
 
     @property
     def dropped_uids(self) -> set[int]:
@@ -284,6 +288,31 @@ def _fat_users(g: _Log) -> None:
         g.request(u, f"e-{k}", ms(day(2), 15, k), [(80 + k, 1, 0, SEC)])
 
 
+def _lag_user(g: _Log, D: int) -> None:
+    """The edge cases of an availability lag of D ms: actions at exactly a request's time - D
+    (not visible), a window's first requests that see events from before its start (03-04)
+    less D, a late action, an action-log event at a request's time - D."""
+    u = 310
+    t = ms(day(2), 11)
+    g.request(u, "lag-00", t, [(600, 1, 0, 0), (601, 1, 1, 0)])  # empty history; acted at its own time
+    g.request(u, "lag-01", t + D, [(602, 1, 0, 5)])  # its time - D: lag-00's actions, the tie
+    g.request(u, "lag-02", t + D + 1, [(603, 0, 0, 0)])  # sees them
+    s = ms(day(4))  # a window's start: its base is the newest L events before s - D
+    g.request(u, "lag-03", s - D, [(604, 1, 0, 0)])  # acted at s - D, in the window before
+    g.request(u, "lag-04", s - 1, [(605, 1, 0, 0)])  # acted at s - 1 ms
+    g.request(u, "lag-05", s, [(606, 0, 0, 0)])  # the window's first: lag-03's action is the tie
+    g.request(u, "lag-06", s + 1, [(607, 0, 0, 0)])  # sees lag-03's, not lag-04's
+    g.request(u, "lag-07", s - 1 + D, [(608, 0, 0, 0)])  # lag-04's is the tie
+    g.request(u, "lag-08", s + D, [(609, 0, 0, 0)])  # sees lag-04's
+    late = ms(day(5), 0, 0, 1)
+    g.request(u, "lag-09", ms(day(4), 12), [(610, 0, 1, 0)], ats=late)  # liked the next day
+    g.request(u, "lag-10", late + D, [(611, 0, 0, 0)])  # the tie
+    g.request(u, "lag-11", late + D + 1, [(612, 0, 0, 0)])  # sees it
+    g.act(u, 613, ms(day(5), 12) - D, 1)  # an action-log event at lag-12's time - D: not visible
+    g.request(u, "lag-12", ms(day(5), 12), [(614, 0, 0, 0)])
+    g.request(u, "lag-13", ms(day(5), 12) + 1, [(615, 0, 0, 0)])
+
+
 def _bad_rows(g: _Log) -> None:
     # items 510.. are used by no other user: a leaked bad row shows up in a sequence
     t = ms(day(2), 14)
@@ -353,13 +382,15 @@ def _float_label_rows(g: _Log) -> None:
     g.request(409, "g409-3", t + 3_600_000, [(559, 0, 1.0, 0)])
 
 
-def _generate(float_labels: bool = False, seed: int = 7) -> _Log:
+def _generate(float_labels: bool = False, seed: int = 7, lag: int = 0) -> _Log:
     g = _Log()
     rng = random.Random(seed)
     _normal_users(g, rng)
     _heavy_user(g, rng)
     _ties_user(g)
     _late_user(g)
+    if lag:
+        _lag_user(g, lag)
     _fat_users(g)
     _bad_rows(g)
     _bad_actions(g)
@@ -403,9 +434,13 @@ def _truth(g: _Log):
     return bad, expected, after
 
 
-def make_lean(root, *, actions: bool = False, float_labels: bool = False, **cfg_over) -> EdgeLog:
+def make_lean(root, *, actions: bool = False, float_labels: bool = False, lag: bool = False, **cfg_over) -> EdgeLog:
+    """The lean log (with its action log); ``lag``: with the availability lag LAG in the
+    config and a user whose rows hold its edge cases (``_lag_user``)."""
     root = Path(root)
-    g = _generate(float_labels)
+    if lag:
+        cfg_over = {"availability_lag": LAG, **cfg_over}
+    g = _generate(float_labels, lag=LAG_MS if lag else 0)
     rows = [dict(r) for r in g.rows]
     if float_labels:
         for r in rows:
@@ -416,7 +451,7 @@ def make_lean(root, *, actions: bool = False, float_labels: bool = False, **cfg_
     return EdgeLog(
         root=root, impressions=imp, actions=act, config=lean_config(actions, **cfg_over), as_of=AS_OF,
         rejected=bad, quarantined=list(g.bad), expected_uids=expected, after_as_of_uids=after,
-        rows_read=len(rows), rejected_actions=list(g.bad_actions) if actions else [],
+        rows_read=len(rows), rejected_actions=list(g.bad_actions) if actions else [], lag=LAG_MS if lag else 0,
     )
 
 

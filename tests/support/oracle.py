@@ -11,7 +11,9 @@ It restates the pointer rule (docs/pointer.md) as directly as possible, on tiny 
   (action_time, request_time, request_id, position, item, action bits, item features...)
   ascending, nulls first;
 - an impression sees the last L events of its user's stream with action time strictly
-  before its request time, oldest first; no history is an empty list.
+  before its request time less the availability lag D (``action_time + D < request_time``;
+  D = 0 unless the config sets ``availability_lag``), oldest first; no history is an empty
+  list.
 
 Expanded lean rows = every input column unchanged (names, order, values) + ``seq_ts``,
 ``seq_item``, ``seq_<item feature column>``..., ``seq_action``. Fat rows come back exactly
@@ -119,6 +121,20 @@ def _drop_rows(df: pl.DataFrame, rows: Iterable[dict]) -> pl.DataFrame:
 # --------------------------------------------------------------------------
 # the stream
 # --------------------------------------------------------------------------
+LAG_UNITS_US = {"us": 1, "ms": 1000, "s": 10**6, "m": 60 * 10**6, "h": 3600 * 10**6, "d": 86400 * 10**6}
+
+
+def lag_units(config: dict) -> int:
+    """The config's ``availability_lag`` (0, or a whole number and a unit: 30s, 500ms) in its
+    time unit; restated here, not read through the product's parser."""
+    raw = config.get("availability_lag", 0)
+    if raw == 0:
+        return 0
+    num = int("".join(ch for ch in raw if ch.isdigit()))
+    unit = "".join(ch for ch in raw if ch.isalpha())
+    return num * LAG_UNITS_US[unit] * UNITS[config.get("time_unit", "ms")] // 10**6
+
+
 def _cfg(config: dict) -> dict:
     cols = config["columns"]
     labels = list(cols.get("action_labels") or cols["labels"])
@@ -179,15 +195,17 @@ def stream(built: pl.DataFrame, c: dict, actions: pl.DataFrame | None = None) ->
 # --------------------------------------------------------------------------
 def expected_pointwise(input_paths, config_dict: dict, as_of: str, rejected_row_uids,
                        actions_path=None, max_seq_len: int | None = None,
-                       rejected_actions: Collection[dict] = ()) -> pl.DataFrame:
+                       rejected_actions: Collection[dict] = (), lag: int | None = None) -> pl.DataFrame:
     """The point-wise rows `userwise expand` must give back for a lean log.
 
     rejected_row_uids: a set of row uids to drop, or a mapping uid -> reason (then
     reason "duplicate_row" means: one copy is kept). rejected_actions: whole action-log rows
-    (dicts) that are quarantined. max_seq_len: L' (default: the config's L).
+    (dicts) that are quarantined. max_seq_len: L' (default: the config's L). lag: the
+    availability lag D in time units (default: the config's, :func:`lag_units`).
     """
     c = _cfg(config_dict)
     L = int(max_seq_len or c["L"])
+    D = lag_units(config_dict) if lag is None else int(lag)
     df = read_parquet_dir(input_paths)
     columns = df.columns
     acc = accepted(df, rejected_row_uids)
@@ -209,7 +227,7 @@ def expected_pointwise(input_paths, config_dict: dict, as_of: str, rejected_row_
     rts = built.select(_time_expr(built, c["rtime"], c["unit"])).to_series().to_list()
     for user, rt in zip(built[c["user"]].to_list(), rts):
         evs = by_user.get(user, [])
-        end = bisect.bisect_left(times.get(user, []), rt)  # events strictly before rt
+        end = bisect.bisect_left(times.get(user, []), rt - D)  # events strictly before rt - D
         seen = evs[max(0, end - L):end]
         out["ts"].append([e["at"] for e in seen])
         out["item"].append([e["item"] for e in seen])
