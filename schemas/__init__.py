@@ -10,8 +10,8 @@ Each schema is defined once with Arrow types; ``to_spark()`` and
   samples, shards, the manifest's keys, the synthetic logs).
 - ``labels``: action bits: which label each bit of an action mask stands for.
 - ``reasons``: the one vocabulary of quarantine reasons.
-- ``hashing``: Spark's ``xxhash64`` in Python, for ids the build makes (``sample_id``) and
-  the shard assignment's tie-breaks.
+- ``hashing``: Spark's ``xxhash64`` in Python, for ids the build makes (``sample_id``), the
+  shard assignment's tie-breaks and the event chain every sample carries.
 """
 
 from userwise.schemas.core import (
@@ -42,6 +42,7 @@ from userwise.schemas.tables import (
     SYNTH_FAT_IMPRESSIONS,
     SYNTH_IMPRESSIONS,
     SYNTH_SNAPSHOT,
+    chain_fields,
     event_fields,
     events_schema,
     history_schema,
@@ -59,7 +60,7 @@ __all__ = [
     "schema_fingerprint", "spark_to_arrow",
     "EV", "IMP", "OVR", "REQ", "SEQ", "SNAP", "TIME_UNITS", "Layout", "SeqField",
     "BUILD_TABLES", "HISTORY_LOG", "MANIFEST_KEYS", "MANIFEST_SET_KEYS", "MANIFEST_SHARD", "QUARANTINE", "SYNTH_ACTIONS",
-    "SYNTH_FAT_IMPRESSIONS", "SYNTH_IMPRESSIONS", "SYNTH_SNAPSHOT", "event_fields", "events_schema",
+    "SYNTH_FAT_IMPRESSIONS", "SYNTH_IMPRESSIONS", "SYNTH_SNAPSHOT", "chain_fields", "event_fields", "events_schema",
     "history_schema", "requests_schema", "samples_schema", "shard_schema", "sort_key",
     "FIXED_TABLES", "REASONS",
 ]

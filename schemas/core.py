@@ -15,10 +15,13 @@ from typing import Iterable
 
 import pyarrow as pa
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Format version of every table and file this product writes.
 
 Readers refuse a higher version than they understand (see ``check_version``).
+4: samples carry the event chain of their stored events (``chain_block``,
+``chain_checkpoints``, ``chain_end``; ``schemas.hashing``).
+3: the scalar count of stored events is ``num_events``; ``seq_*`` names only per-event lists.
 2: the request key and an int64 request time are stored once, as ``req_id`` /
 ``req_time``, no longer also as ``req__<col>`` (``Layout.derived_request_columns``).
 1: the first format.

@@ -15,8 +15,14 @@ a Spark job can compute with native functions alone):
 
 - an event's content hash ``e_i = xxhash64(f_1, ..., f_k)`` over its fields in order, each
   as a ``long`` (Spark: ``xxhash64(CAST(f_1 AS BIGINT), ..., CAST(f_k AS BIGINT))``;
-  :func:`event_hashes`, vectorised; an event with string fields hashes them as strings with
-  the scalar :func:`xxhash64`);
+  :func:`event_hashes`, vectorised). A field the model cannot read as an integer keeps
+  Spark's own form: a string is hashed as its UTF-8 bytes and binary as its bytes (a
+  ``string`` / ``binary`` value of the scalar :func:`xxhash64`); a float or decimal is read
+  as the model reads it, truncated to a ``long`` (NaN and values beyond a ``long`` count as
+  null); a date is its days since 1970-01-01 and a timestamp its microseconds since the
+  epoch, as ``long``; a null is skipped, as Spark skips nulls (:func:`chain_value`). Which
+  fields, in which order, is the samples schema's :func:`userwise.schemas.tables.chain_fields`;
+  the build computes the chain with :func:`chain_column`;
 - the rolling hash ``h_{-1} = 42`` (:data:`CHAIN_SEED`), ``h_i = xxhash64(h_{i-1}, e_i)``
   with both as ``long`` (:func:`rolling_hashes`); ``h_i`` identifies the first ``i + 1``
   events and their order;
@@ -54,8 +60,9 @@ _PACK = {"int": "<i", "long": "<q"}
 
 
 def xxhash64(values, seed: int = SPARK_SEED) -> int:
-    """Spark's ``xxhash64`` of ``values``: (value, kind) pairs, kind ``int``, ``long`` or
-    ``string``; None values are skipped, as Spark skips nulls. A signed 64-bit int."""
+    """Spark's ``xxhash64`` of ``values``: (value, kind) pairs, kind ``int``, ``long``,
+    ``string`` (its UTF-8 bytes) or ``binary`` (its bytes); None values are skipped, as Spark
+    skips nulls. A signed 64-bit int."""
     import xxhash
 
     h = seed & 0xFFFFFFFFFFFFFFFF
@@ -64,10 +71,12 @@ def xxhash64(values, seed: int = SPARK_SEED) -> int:
             continue
         if kind == "string":
             data = str(v).encode("utf-8")
+        elif kind == "binary":
+            data = bytes(v)
         elif kind in _PACK:
             data = struct.pack(_PACK[kind], int(v))
         else:
-            raise ValueError(f"kind must be int, long or string, got {kind!r}")
+            raise ValueError(f"kind must be int, long, string or binary, got {kind!r}")
         h = xxhash.xxh64_intdigest(data, seed=h)
     return h - (1 << 64) if h >= 1 << 63 else h
 
@@ -138,21 +147,69 @@ def xxhash64_longs(values, seeds=SPARK_SEED) -> np.ndarray:
     return out.view(np.int64).reshape(shape)
 
 
+_EPOCH = dt.date(1970, 1, 1)
+_LONG = 1 << 63
+
+
+def chain_value(v) -> tuple:
+    """One field value as the event hash reads it: a (value, kind) pair of :func:`xxhash64`
+    (module docstring): integers and booleans as ``long``, floats and decimals truncated to a
+    ``long`` (None when NaN, infinite or beyond a ``long``), a ``str`` as ``string``, ``bytes``
+    as ``binary``, a date as its days since 1970-01-01, a datetime as its microseconds since
+    the epoch (a naive one read as UTC); None stays None (skipped).
+
+    Example::
+
+        xxhash64([chain_value(v) for v in ("i-7", 3, None)])   # one event of a string item
+    """
+    if v is None:
+        return None, "long"
+    if isinstance(v, str):
+        return v, "string"
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v), "binary"
+    if isinstance(v, dt.datetime):
+        t = v if v.tzinfo else v.replace(tzinfo=dt.timezone.utc)
+        d = t - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+        return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds, "long"
+    if isinstance(v, dt.date):
+        return (v - _EPOCH).days, "long"
+    if isinstance(v, (bool, int, np.integer, np.bool_)):
+        return int(v), "long"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"the event hash reads integers, floats, decimals, strings, bytes, dates and "
+                         f"datetimes, not {type(v).__name__}") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        return None, "long"
+    n = int(v)  # truncated toward zero (a decimal exactly)
+    return (n, "long") if -_LONG <= n < _LONG else (None, "long")
+
+
 def event_hashes(fields) -> np.ndarray:
     """Every event's content hash ``e = xxhash64(f_1, ..., f_k)``, the fields as ``long``:
     ``fields`` is an int array [n, k] (one row per event, its fields in order) or a sequence
-    of k int arrays [n]. int64 [n].
+    of k arrays [n]. An integer (or boolean) array is hashed vectorised; any other column
+    (strings, floats, None for nulls, ...) one value at a time as :func:`chain_value` reads
+    it, as Spark's ``xxhash64`` in :func:`chain_column` does. int64 [n].
 
     Example::
 
         event_hashes(np.array([[11, 3, 1]]))   # == [xxhash64([(11, "long"), (3, "long"), (1, "long")])]
+        event_hashes([np.array(["a", "b"], dtype=object), np.array([1, 2])])   # string items
     """
     cols = list(np.asarray(fields).T) if not isinstance(fields, (list, tuple)) else list(fields)
     if not cols:
         raise ValueError("event_hashes needs at least one field per event")
-    h = np.full(np.asarray(cols[0]).shape, SPARK_SEED, dtype=np.int64)
+    h = np.full(np.shape(cols[0]), SPARK_SEED, dtype=np.int64)
     for c in cols:
-        h = xxhash64_longs(c, h)
+        a = np.asarray(c) if not isinstance(c, np.ndarray) else c
+        if a.dtype.kind in "iub":
+            h = xxhash64_longs(a.astype(np.int64) if a.dtype.kind == "b" else a, h)
+        else:
+            h = np.array([xxhash64([chain_value(v)], seed=s) for v, s in zip(a.tolist(), h.tolist())],
+                         dtype=np.int64).reshape(h.shape)
     return h
 
 
@@ -219,3 +276,72 @@ def chain_checkpoints(h, length: int, block: int) -> tuple[np.ndarray, int]:
         raise ValueError(f"block={block}: use a number of events >= 1")
     h = np.asarray(h, dtype=np.int64)
     return h[block - 1:length:block].copy(), int(h[length - 1]) if length else CHAIN_SEED
+
+
+def sequence_chain(fields, block: int) -> tuple[np.ndarray, int]:
+    """The chain of one sequence from its events' fields (as :func:`event_hashes` takes them):
+    its checkpoints and end (:func:`chain_checkpoints`); what a sample's ``chain_checkpoints``
+    and ``chain_end`` hold for its stored events.
+
+    Example::
+
+        cps, end = sequence_chain([seq_item, seq_category, seq_author, seq_action], 64)
+    """
+    cols = list(np.asarray(fields).T) if not isinstance(fields, (list, tuple)) else list(fields)
+    n = len(cols[0]) if cols else 0
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), CHAIN_SEED
+    return chain_checkpoints(rolling_hashes(event_hashes(cols)), n, block)
+
+
+def _hash_input(c, t):
+    """A field's Spark column as the event hash reads it (module docstring)."""
+    import pyarrow as pa
+
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return c.cast("bigint")
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return c.try_cast("bigint")
+    if pa.types.is_date(t):
+        from pyspark.sql import functions as F
+
+        return F.unix_date(c).cast("bigint")
+    if pa.types.is_timestamp(t):
+        from pyspark.sql import functions as F
+
+        return F.unix_micros(c)
+    return c  # strings, binary (their bytes); nested values: Spark's own hash of them
+
+
+def chain_column(fields, block: int):
+    """The Spark column of a sequence's chain: ``fields`` are (array column, Arrow element
+    type) pairs, the chain's fields in order, parallel lists of one sequence per row; a
+    struct of ``checkpoints`` (array<bigint>) and ``end`` (bigint), equal to
+    :func:`sequence_chain` of the same values. Native functions only: each event's hash
+    by ``transform``, the rolling hash by one ``aggregate`` (the module docstring's fold).
+
+    Example::
+
+        df.select(chain_column([(F.col("seq_item"), pa.int64()), (F.col("seq_action"), pa.int64())], 64)
+                  .alias("chain"))
+    """
+    from pyspark.sql import functions as F
+
+    if block < 1:
+        raise ValueError(f"block={block}: use a number of events >= 1")
+    cols = list(fields)
+    es = F.transform(cols[0][0], lambda _, i: F.xxhash64(*[_hash_input(c[i], t) for c, t in cols]))
+    zero = F.struct(F.lit(CHAIN_SEED).cast("bigint").alias("h"), F.lit(0).alias("n"),
+                    F.array().cast("array<bigint>").alias("cps"))
+
+    def closes(a):
+        """A block ended with the event before: its hash is a checkpoint."""
+        return (a["n"] > 0) & (a["n"] % F.lit(block) == 0)
+
+    def with_cp(a):
+        return F.when(closes(a), F.concat(a["cps"], F.array(a["h"]))).otherwise(a["cps"])
+
+    def step(a, e):
+        return F.struct(F.xxhash64(a["h"], e).alias("h"), (a["n"] + 1).alias("n"), with_cp(a).alias("cps"))
+
+    return F.aggregate(es, zero, step, lambda a: F.struct(with_cp(a).alias("checkpoints"), a["h"].alias("end")))

@@ -306,6 +306,20 @@ def history_schema(layout: Layout) -> TableSchema:
     )
 
 
+def chain_fields(layout: Layout) -> tuple[SeqField, ...]:
+    """The fields of a stored event its content hash covers, in order (the event chain,
+    :mod:`userwise.schemas.hashing`): what the model reads of an event. Lean: the item, each
+    item feature, the action bits (not the time). Fat rows: the item, then every other
+    snapshot role but the time, in the config's order."""
+    if layout.fat:
+        item = [sf for sf in layout.seq_fields if sf.name == "item"]
+        return tuple(item + [sf for sf in layout.seq_fields if sf.name not in ("item", "time")])
+    return tuple(sf for sf in layout.seq_fields if sf.name != "ts")
+
+
+CHAIN_DOC = "(schemas.hashing: each event's hash over chain_fields, rolled from 42)"
+
+
 def samples_schema(layout: Layout) -> TableSchema:
     seq = tuple(Field(SEQ + sf.name, list_of(sf.type), False, EVENT_LIST + seq_doc(layout, sf))
                 for sf in layout.seq_fields)
@@ -332,11 +346,18 @@ def samples_schema(layout: Layout) -> TableSchema:
         Field("num_events", i32, False, "stored events: the length of every seq_* list"),
         Field("cost", i64, False, "stored events (overrides included) + impressions"),
         seq,
+        Field("chain_block", i32, False, "events per block of the event chain (the config's chain_block)"),
+        Field("chain_checkpoints", list_of(i64), False,
+              "per complete block of chain_block stored events, oldest first: the event chain's rolling hash "
+              "after it " + CHAIN_DOC),
+        Field("chain_end", i64, False, "the event chain's rolling hash after all num_events stored events "
+              "(42 for none)"),
         Field("req_id", list_of(layout.request_key_type), False, "per request: " + REQUEST_KEY_DOC),
         Field("req_time", list_of(i64), False, "per request: request time, in time_unit; requests in time order"),
         Field("req_seq_begin", list_of(i32), False, "per request: it sees seq_*[begin:end]"),
         Field("req_seq_end", list_of(i32), False,
-              "per request: end of what it sees, the stored events strictly before its request time"),
+              "per request: end of what it sees, the stored events strictly before its request time "
+              "(lean: less availability_lag)"),
         Field("req_num_imps", list_of(i32), False, "per request: its impressions, which split the imp__* lists"),
         _orig_lists(SAMPLES_REQ_DOC, REQ, layout, layout.stored_request_columns),
         _orig_lists(SAMPLES_IMP_DOC, IMP, layout, layout.impression_columns),

@@ -30,7 +30,7 @@ from userwise import schemas as S
 from userwise.pipelines.builder.ingest import day_of
 from userwise.pipelines.config import Config
 from userwise.schemas import EV, IMP, OVR, REQ, SEQ, Layout
-from userwise.schemas.hashing import sample_id_column
+from userwise.schemas.hashing import chain_column, sample_id_column
 
 UNB = Window.unboundedPreceding
 CUR = Window.currentRow
@@ -230,6 +230,9 @@ def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
     for n in seq_map:
         out = out.withColumn(SEQ + n, F.coalesce(F.col(SEQ + n), F.array().cast(
             S.arrow_to_spark(S.list_of(seq_types[n])))))
+    # the event chain of the stored events (schemas.hashing), one struct read twice below
+    out = out.withColumn("_chain", chain_column([(F.col(SEQ + sf.name), sf.type) for sf in S.chain_fields(layout)],
+                                                cfg.chain_block))
     n_imps = F.aggregate(F.col("req_num_imps"), F.lit(0), lambda a, x: a + x)
     ovr_events = F.element_at(F.col(OVR + "offsets"), -1) if layout.fat else F.lit(0)
     first = next(iter(seq_map))
@@ -243,6 +246,9 @@ def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
         F.size("req_time").cast("int").alias("num_requests"),
         n_imps.cast("int").alias("num_impressions"),
         F.size(SEQ + first).cast("int").alias("num_events"),
+        F.lit(cfg.chain_block).cast("int").alias("chain_block"),
+        F.col("_chain.checkpoints").alias("chain_checkpoints"),
+        F.col("_chain.end").alias("chain_end"),
     )
     out = out.withColumn("cost", (F.col("num_events") + F.col("num_impressions") + ovr_events).cast("long"))
     out = out.withColumn("sample_id", sample_id_column())

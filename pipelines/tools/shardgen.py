@@ -6,7 +6,8 @@ Every sample obeys the pointer semantics (docs/pointer.md): the stored
 sequence is sorted by time; request r sees ``seq[begin:end]`` with ``end`` =
 the events strictly before its time and ``begin = max(0, end - L)``; the
 stored sequence holds exactly ``[min begin, max end)``. ``sample_id`` is
-the build's own (:func:`userwise.schemas.hashing.sample_id`).
+the build's own (:func:`userwise.schemas.hashing.sample_id`), and so is the
+event chain of the stored events (``chain_*``, the config's default block).
 
 Sizes: light users' event counts follow a Pareto law (``event_scale``,
 capped at ``max_events``); ``heavy`` users come in three chunks each of a cost
@@ -39,13 +40,15 @@ from userwise import schemas
 from userwise.pipelines import config
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools import synth
-from userwise.schemas.hashing import sample_id
+from userwise.schemas.hashing import chain_checkpoints, event_hashes, rolling_hashes, sample_id
 
 MS_DAY = 86_400_000
 EPOCH = dt.date(1970, 1, 1)
 BOT = 999_999
 HEAVY = 10_000  # heavy users' ids start here
 BUILD_START = dt.date(2026, 1, 2)  # build_samples: the first daily window ends here
+CHAIN_BLOCK = config.TOP_KEYS["chain_block"]  # the event chain's block: the config's default
+CHAIN_COLUMNS = ("chain_block", "chain_checkpoints", "chain_end")
 
 DEFAULT_SETS = (
     ("pretrain", "2025-12-01", "2026-01-03", 120),
@@ -130,6 +133,8 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
 
     def add(row: dict) -> None:
         for c in cols:
+            if c in CHAIN_COLUMNS:  # filled by _chains, for all the rows at once
+                continue
             v = row[c]
             cols[c].append(v.tolist() if isinstance(v, np.ndarray) else v)
 
@@ -146,7 +151,25 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
         ev_ts, rt, begin, end, k = _sized(rng, cost, t0, t1, max_seq_len)
         add(_row(rng, user=user, chunk=chunk, kind=kind, ws=ws, we=we, ev_ts=ev_ts, rt=rt, begin=begin, end=end,
                  k=k, null_share=null_share))
+    _chains(cols)
     return pa.Table.from_pydict(cols, schema=schema)
+
+
+def _chains(cols: dict) -> None:
+    """Fill the event chain columns of the rows in ``cols`` (schemas.hashing), vectorised
+    across the samples, as the build computes them."""
+    fields = [schemas.SEQ + sf.name for sf in schemas.chain_fields(layout())]
+    n = np.array([len(x) for x in cols[fields[0]]], dtype=np.int64)
+    off = np.concatenate([[0], np.cumsum(n)])
+    flat = [np.concatenate([np.asarray(x, np.int64) for x in cols[f]] + [np.zeros(0, np.int64)]) for f in fields]
+    h = rolling_hashes(event_hashes(flat), off)
+    block = CHAIN_BLOCK
+    cols["chain_block"] = [block] * len(n)
+    cols["chain_checkpoints"], cols["chain_end"] = [], []
+    for a, b in zip(off[:-1].tolist(), off[1:].tolist()):
+        cps, end = chain_checkpoints(h[a:b], b - a, block)
+        cols["chain_checkpoints"].append(cps.tolist())
+        cols["chain_end"].append(end)
 
 
 def build_samples(*, seed: int = 0, users: int = 40, heavy: int = 3, bot_chunks: int = 16, windows: int = 3,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
@@ -385,6 +386,89 @@ def test_build_output_layout(builder):
 
 
 # --------------------------------------------------------------------------
+# the event chain every sample carries (a serving cache checks its K/V against it)
+# --------------------------------------------------------------------------
+def _held_chain(row: dict, fields: list[str], block: int):
+    """The Python chain (pipelines.serve.chain_of) of a sample row's stored events."""
+    from userwise.pipelines.serve import chain_of
+
+    ev = np.array([row[f] for f in fields], dtype=np.int64).T.reshape(row["num_events"], len(fields))
+    return chain_of(ev, block=block, version=0)
+
+
+def _chain_fields(out) -> list[str]:
+    from userwise.pipelines.records import build_record
+
+    return [schemas.SEQ + sf.name for sf in schemas.chain_fields(build_record.load(str(out))[1])]
+
+
+CHAIN_CASES = [("actions", "both"), ("fat", "daily"), ("lag", "daily")]
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=[f"{v}-{w}" for v, w in CHAIN_CASES])
+def test_every_sample_carries_the_chain_of_its_stored_events(case, builder, spark):
+    """The chain Spark computed for each sample (chain_checkpoints, chain_end) equals the
+    serving side's chain_of over the sample's stored events (item, item features, action
+    bits; fat rows: the snapshot's item and other roles but the time), block chain_block."""
+    b = builder(*case)
+    s = read_delta(spark, b.out / "samples")
+    fields, block = _chain_fields(b.out), b.log.config["chain_block"]
+    assert fields[0] == "seq_item" and "seq_ts" not in fields and "seq_time" not in fields
+    assert set(s["chain_block"]) == {block}
+    checkpoints = 0
+    for r in s.iter_rows(named=True):
+        held = _held_chain(r, fields, block)
+        assert (r["chain_checkpoints"], r["chain_end"]) == (held.checkpoints.tolist(), held.end), r["sample_id"]
+        checkpoints += len(r["chain_checkpoints"])
+    assert checkpoints > 0 and (s["num_events"] == 0).any()
+
+
+def test_an_event_inserted_in_the_past_changes_the_chain_from_its_block_on(builder, spark, tmp_path):
+    """An event that arrives late, in the past of a user's stored events (added to the events
+    table of a copy of the build, the window's job rerun), changes the sample's chain from the
+    block that holds it on: a cache holding the old chain keeps exactly the complete blocks
+    before it (longest_valid_prefix), and every other sample keeps its chain."""
+    import shutil
+
+    from pyspark.sql import functions as F
+
+    from userwise.pipelines import config as C
+    from userwise.pipelines.builder import daily
+    from userwise.pipelines.serve import longest_valid_prefix
+
+    b = builder("actions", "both")
+    T, P = dt.date.fromisoformat(b.log.as_of), b.log.config["chain_block"]
+    copy = tmp_path / "out"
+    shutil.copytree(b.out, copy)
+    fields = _chain_fields(copy)
+    before = read_delta(spark, copy / "samples").filter(pl.col("window_end") == T)
+    row = before.filter(pl.col("user") == b.log.heavy_user).sort("num_events", descending=True).row(0, named=True)
+    # an event at the time of a stored event of its second block, seen after the first request
+    k = max(P + 1, row["req_seq_end"][0])
+    assert k < row["num_events"]
+    events = delta_io.read(spark, str(copy / "events"))
+    one = events.where((F.col("user") == row["user"]) & (F.col("ev_ts") == row["seq_ts"][k])).limit(1)
+    one = one.select(*[F.lit(None).cast(f.dataType).alias(f.name) if f.name in ("ev_req_time", "ev_req_id", "ev_pos")
+                       else (F.lit(9999).cast(f.dataType).alias(f.name) if f.name == "ev_item" else F.col(f.name))
+                       for f in events.schema.fields])
+    one.write.format("delta").mode("append").save(str(copy / "events"))
+    daily.window_day(spark, C.parse(b.log.config), str(copy), T - dt.timedelta(days=1), b.N)
+    after = read_delta(spark, copy / "samples").filter(pl.col("window_end") == T)
+    new = after.filter((pl.col("user") == row["user"]) & (pl.col("chunk") == row["chunk"])).row(0, named=True)
+    assert 9999 in new["seq_item"] and (new["chain_checkpoints"], new["chain_end"]) != \
+        (row["chain_checkpoints"], row["chain_end"])
+    old_c, new_c = _held_chain(row, fields, P), _held_chain(new, fields, P)
+    assert (new["chain_checkpoints"], new["chain_end"]) == (new_c.checkpoints.tolist(), new_c.end)
+    tuples = [list(zip(*[r[f] for f in fields + ["seq_ts"]])) for r in (row, new)]
+    m = next(i for i, (x, y) in enumerate(zip(*tuples)) if x != y)  # where the two sequences part
+    assert P <= m <= k and longest_valid_prefix(old_c, new_c) == P * (m // P)
+    others = [(r["sample_id"], r["chain_checkpoints"], r["chain_end"])
+              for r in before.filter(pl.col("user") != row["user"]).sort("sample_id").iter_rows(named=True)]
+    assert others == [(r["sample_id"], r["chain_checkpoints"], r["chain_end"])
+                      for r in after.filter(pl.col("user") != row["user"]).sort("sample_id").iter_rows(named=True)]
+
+
+# --------------------------------------------------------------------------
 # the loader's batches expand to the same rows as `userwise expand`
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [("actions", "both"), ("fat", "daily")], ids=["actions-both", "fat-daily"])
@@ -400,10 +484,18 @@ def test_loader_batches_expand_like_spark_expand(case, expander, builder, spark,
     want = expander(*case)
     shards = tmp_path / "shards"
     preshard.preshard(spark, samples=str(b.out), output=str(shards), nodes=1, ranks_per_node=2, row_group_rows=4)
-    parts = []
+    parts, chains = [], {}
     for rank in range(2):
         ds = UserwiseDataset(str(shards), rank=rank, world_size=2, batch_size=3, seed=5)
-        parts += [expand_batch(batch) for batch in UserwiseLoader(ds, num_workers=1)]
+        for batch in UserwiseLoader(ds, num_workers=1):
+            parts.append(expand_batch(batch))
+            # the loader hands out each sample's event chain: a list per sample, and its end
+            off = batch.numpy("chain_checkpoints.offsets")
+            cps = batch.numpy("chain_checkpoints")
+            for j, (sid, end) in enumerate(zip(batch.numpy("sample_id").tolist(), batch.numpy("chain_end").tolist())):
+                chains[sid] = (cps[off[j]:off[j + 1]].tolist(), end)
+    s = read_delta(spark, b.out / "samples")
+    assert chains == {r["sample_id"]: (r["chain_checkpoints"], r["chain_end"]) for r in s.iter_rows(named=True)}
     import pyarrow as pa
 
     got = pl.from_arrow(pa.concat_tables(parts))

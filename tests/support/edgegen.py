@@ -65,6 +65,7 @@ START = dt.date(2026, 3, 1)  # data: 2026-03-01 .. 2026-03-06
 AS_OF = "2026-03-06"  # the last day (03-06) is at/after as-of
 L = 6  # max_seq_len of the edge config
 MAX_COST = 40
+CHAIN_BLOCK = 4  # events per block of the event chain in the edge config
 LAG = "2s"  # make_lean(lag=True): the availability lag of the edge config ...
 LAG_MS = 2000  # ... in its time unit
 HEAVY_USER = 200
@@ -107,14 +108,15 @@ def auth_of(item: int) -> int:
 
 
 def lean_config(actions: bool = False, **over) -> dict:
-    """The test config (tests/support/common.py) at the edge logs' sizes."""
-    cfg = config(L, max_sample_cost=MAX_COST, actions=actions, max_quarantine_share=0.5)
+    """The test config (tests/support/common.py) at the edge logs' sizes (an event chain
+    block of CHAIN_BLOCK events, so that short sequences hold checkpoints)."""
+    cfg = config(L, max_sample_cost=MAX_COST, actions=actions, max_quarantine_share=0.5, chain_block=CHAIN_BLOCK)
     cfg.update(over)
     return cfg
 
 
 def fat_config(**over) -> dict:
-    cfg = config(L, max_sample_cost=MAX_COST, fat=True, max_quarantine_share=0.5)
+    cfg = config(L, max_sample_cost=MAX_COST, fat=True, max_quarantine_share=0.5, chain_block=CHAIN_BLOCK)
     cfg.update(over)
     return cfg
 
