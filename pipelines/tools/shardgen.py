@@ -1,7 +1,9 @@
 """Synthetic user-wise samples and shard sets, without Spark (tests, benchmarks, checks).
 
 One generator, :func:`make_samples`, writes rows of the shard schema for the
-synthetic log's layout (:func:`layout`, the lean config of ``userwise synth``).
+synthetic log's layout (:func:`layout`, the lean config of ``userwise synth``), or for
+the same log with fewer item features or more labels (``item_features``, ``labels``:
+samples of other roles, for the trainer's side).
 Every sample obeys the pointer semantics (docs/pointer.md): the stored
 sequence is sorted by time; request r sees ``seq[begin:end]`` with ``end`` =
 the events strictly before its time and ``begin = max(0, end - L)``; the
@@ -38,6 +40,7 @@ import pyarrow.parquet as pq
 
 from userwise import schemas
 from userwise.pipelines import config
+from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools import synth
 from userwise.schemas.hashing import chain_checkpoints, event_hashes, rolling_hashes, sample_id
@@ -50,6 +53,9 @@ BUILD_START = dt.date(2026, 1, 2)  # build_samples: the first daily window ends 
 CHAIN_BLOCK = config.TOP_KEYS["chain_block"]  # the event chain's block: the config's default
 CHAIN_COLUMNS = ("chain_block", "chain_checkpoints", "chain_end")
 
+# labels past the synthetic log's two (click, like): 0/1 impression columns of these names
+EXTRA_LABELS = ("share", "comment", "follow")
+
 DEFAULT_SETS = (
     ("pretrain", "2025-12-01", "2026-01-03", 120),
     ("incremental", "2026-01-03", "2026-01-04", 70),
@@ -57,10 +63,23 @@ DEFAULT_SETS = (
 )
 
 
-def layout() -> schemas.Layout:
-    """The layout of the synthetic lean log (``userwise synth``'s config.yaml)."""
+def layout(item_features: int = 2, labels: int = 2) -> schemas.Layout:
+    """The layout of the synthetic lean log (``userwise synth``'s config.yaml). ``item_features``
+    (0-2): its first item features (category, author; the others stay unmapped columns);
+    ``labels`` (1-5): its first labels (click, like), then :data:`EXTRA_LABELS`."""
     cfg = synth.make_config(20, 0, fat=False, actions=False)
-    return config.parse(cfg).layout(schemas.SYNTH_IMPRESSIONS.to_arrow())
+    schema = schemas.SYNTH_IMPRESSIONS.to_arrow()
+    if (item_features, labels) != (2, 2):
+        cols = cfg["columns"]
+        if not 0 <= item_features <= len(cols["item_features"]) or not 1 <= labels <= 2 + len(EXTRA_LABELS):
+            raise ArgumentError(f"item_features={item_features}, labels={labels}: the synthetic log has "
+                                f"0-{len(cols['item_features'])} item features and 1-{2 + len(EXTRA_LABELS)} labels")
+        extra = EXTRA_LABELS[:max(0, labels - 2)]
+        cols["item_features"] = cols["item_features"][:item_features]
+        cols["labels"] = (cols["labels"] + list(extra))[:labels]
+        for name in extra:
+            schema = schema.append(pa.field(name, pa.int8(), False))
+    return config.parse(cfg).layout(schema)
 
 
 def _ms(d: dt.date) -> int:
@@ -122,16 +141,22 @@ def _row(rng, *, user: int, chunk: int, kind: str, ws: dt.date, we: dt.date, ev_
 
 def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed: int, max_seq_len: int = 20,
                  max_events: int = 120, first_user: int = 0, null_share: float = 0.1, event_scale: float = 8.0,
-                 heavy: int = 0, bot_chunks: int = 0, cap: int = 200) -> pa.Table:
+                 heavy: int = 0, bot_chunks: int = 0, cap: int = 200, item_features: int = 2,
+                 labels: int = 2) -> pa.Table:
     """One window's samples (shard schema): ``n`` light users from ``first_user`` on, then
-    ``heavy`` users (three chunks each) and the bot (``bot_chunks`` chunks)."""
-    schema = schemas.shard_schema(layout()).to_arrow()
+    ``heavy`` users (three chunks each) and the bot (``bot_chunks`` chunks), in
+    :func:`layout` ``(item_features, labels)``."""
+    lay = layout(item_features, labels)
+    schema = schemas.shard_schema(lay).to_arrow()
+    extra = EXTRA_LABELS[:max(0, labels - 2)]
     rng = np.random.default_rng(seed)
     ws, we = dt.date.fromisoformat(str(window_start)), dt.date.fromisoformat(str(window_end))
     t0, t1 = _ms(ws), _ms(we)
     cols = {name: [] for name in schema.names}
 
     def add(row: dict) -> None:
+        for name in extra:  # drawn after the row's own values: the synthetic log's rows stay as they are
+            row[f"imp__{name}"] = (rng.random(len(row["imp__item_id"])) < 0.3).astype(np.int8)
         for c in cols:
             if c in CHAIN_COLUMNS:  # filled by _chains, for all the rows at once
                 continue
@@ -151,14 +176,14 @@ def make_samples(n: int, *, kind: str, window_start: str, window_end: str, seed:
         ev_ts, rt, begin, end, k = _sized(rng, cost, t0, t1, max_seq_len)
         add(_row(rng, user=user, chunk=chunk, kind=kind, ws=ws, we=we, ev_ts=ev_ts, rt=rt, begin=begin, end=end,
                  k=k, null_share=null_share))
-    _chains(cols)
+    _chains(cols, lay)
     return pa.Table.from_pydict(cols, schema=schema)
 
 
-def _chains(cols: dict) -> None:
+def _chains(cols: dict, lay: schemas.Layout) -> None:
     """Fill the event chain columns of the rows in ``cols`` (schemas.hashing), vectorised
     across the samples, as the build computes them."""
-    fields = [schemas.SEQ + sf.name for sf in schemas.chain_fields(layout())]
+    fields = [schemas.SEQ + sf.name for sf in schemas.chain_fields(lay)]
     n = np.array([len(x) for x in cols[fields[0]]], dtype=np.int64)
     off = np.concatenate([[0], np.cumsum(n)])
     flat = [np.concatenate([np.asarray(x, np.int64) for x in cols[f]] + [np.zeros(0, np.int64)]) for f in fields]
@@ -198,7 +223,7 @@ def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=
     from userwise.pipelines.shards import gds as gdsmod
     from userwise.pipelines.shards import preshard, writer
 
-    schema = schemas.shard_schema(layout()).to_arrow()
+    schema = schemas.shard_schema(layout(sample_kw.get("item_features", 2), sample_kw.get("labels", 2))).to_arrow()
     slots = nodes * ranks_per_node
     plan, stats = [], []
     first_user = 0
