@@ -3,9 +3,23 @@
 Each schema is defined once with Arrow types; ``to_spark()`` and
 ``to_delta()`` derive the other forms. Import without Spark: the loader does.
 
+Public names::
+
+    from userwise.schemas import (ACTION_BITS, action_bits, decode_action, FORMAT_VERSION,
+    COMPLETE_FORMAT, PUBLISHED_FORMAT, GDS_INDEX_FORMAT, Field, SchemaError, TableSchema,
+    arrow_to_spark, check_version, list_of, schema_fingerprint, spark_to_arrow, EV, IMP, OVR,
+    REQ, SEQ, SNAP, TIME_UNITS, Layout, SeqField, BUILD_TABLES, HISTORY_LOG, MANIFEST_KEYS,
+    MANIFEST_SET_KEYS, MANIFEST_SHARD, QUARANTINE, SYNTH_ACTIONS, SYNTH_FAT_IMPRESSIONS,
+    SYNTH_IMPRESSIONS, SYNTH_SNAPSHOT, chain_fields, event_fields, events_schema,
+    history_schema, requests_schema, samples_schema, shard_schema, sort_key, FIXED_TABLES,
+    REASONS)
+
+Modules:
+
 - ``core``: :class:`TableSchema` and :class:`Field` (Arrow, with the Spark and Delta forms
   derived), the format versions of every table, file and record, schema fingerprints.
-- ``layout``: how a user's input columns land in our tables (storage names, prefixes, roles).
+- ``layout``: the column layout: how a user's input columns land in our tables (storage
+  names, prefixes, roles).
 - ``tables``: every table and file the product reads or writes (build tables, quarantine,
   samples, shards, the manifest's keys, the synthetic logs).
 - ``labels``: action bits: which label each bit of an action mask stands for.

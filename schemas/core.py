@@ -44,11 +44,28 @@ find it in the field's metadata."""
 
 
 class SchemaError(ValueError):
-    """A table or file does not have the schema this product expects."""
+    """A table or file does not have the schema this product expects.
+
+    Example::
+
+        try:
+            check_version(manifest.get("format_version"), path)
+        except SchemaError as e:            # also a ValueError
+            print(e)
+    """
 
 
 @dataclass(frozen=True)
 class Field:
+    """One column: name, Arrow type, nullability and its description (``doc``, carried as the
+    column comment in every form).
+
+    Example::
+
+        f = Field("user", pa.int64(), False, "the user id")
+        f.to_arrow()                        # the pyarrow field, its description in the metadata
+    """
+
     name: str
     type: pa.DataType
     nullable: bool = True
@@ -64,7 +81,12 @@ class Field:
 
 
 def list_of(t: pa.DataType) -> pa.DataType:
-    """A list column: the element is never null, the list itself may be."""
+    """A list column: the element is never null, the list itself may be.
+
+    Example::
+
+        Field("seq_item", list_of(pa.int64()), False)
+    """
     return pa.list_(pa.field("element", t, nullable=True))
 
 
@@ -150,11 +172,22 @@ def list_fingerprint(desc: list) -> str:
 
 
 def schema_fingerprint(schema: pa.Schema) -> str:
-    """Hash of column names, types and nullability: equal iff readers see the same layout."""
+    """Hash of column names, types and nullability: equal iff readers see the same layout.
+
+    Example::
+
+        schema_fingerprint(pq.read_schema(path)) == manifest["schema_fingerprint"]
+    """
     return list_fingerprint(schema_list(schema))
 
 
 def arrow_to_spark(t: pa.DataType):
+    """The Spark type of an Arrow type (imports pyspark: Spark's side only).
+
+    Example::
+
+        arrow_to_spark(list_of(pa.int64()))   # ArrayType(LongType(), True)
+    """
     from pyspark.sql import types as T
 
     if pa.types.is_boolean(t):
@@ -193,7 +226,12 @@ def arrow_to_spark(t: pa.DataType):
 
 
 def spark_to_arrow(dt) -> pa.DataType:
-    """Inverse of :func:`arrow_to_spark` (timestamps come back as UTC micros)."""
+    """Inverse of :func:`arrow_to_spark` (timestamps come back as UTC micros).
+
+    Example::
+
+        spark_to_arrow(df.schema["user"].dataType)   # pa.int64()
+    """
     from pyspark.sql import types as T
 
     simple = {
@@ -225,7 +263,13 @@ def spark_to_arrow(dt) -> pa.DataType:
 
 
 def check_version(found: int | str | None, what: str) -> None:
-    """Refuse data written by a newer format than this code understands."""
+    """Refuse data written by a newer format than this code understands (a :class:`SchemaError`
+    naming ``what``).
+
+    Example::
+
+        check_version(manifest.get("format_version"), f"{root}/manifest.json")
+    """
     try:
         v = int(found) if found is not None else None
     except (TypeError, ValueError):

@@ -40,6 +40,10 @@ def action_bits(path: str) -> list[str]:
 
     Raises :class:`SchemaError` when ``path`` is neither a table nor a build folder, or its
     table records no action bits (a table without a mask column).
+
+    Example::
+
+        action_bits("D")                  # ['click', 'like']: bit 0 is click
     """
     from deltalake import DeltaTable
 
@@ -59,5 +63,10 @@ def action_bits(path: str) -> list[str]:
 
 
 def decode_action(mask: int, labels: Sequence[str]) -> list[str]:
-    """The names of the labels whose bit is set in ``mask`` (``labels`` in bit order)."""
+    """The names of the labels whose bit is set in ``mask`` (``labels`` in bit order).
+
+    Example::
+
+        decode_action(3, ["click", "like"])    # ['click', 'like']
+    """
     return [name for i, name in enumerate(labels) if (int(mask) >> i) & 1]

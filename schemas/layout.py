@@ -1,4 +1,8 @@
-"""How a user's input columns land in our tables.
+"""The column layout: how a user's input columns land in our tables (names, levels, roles).
+
+(Not the loader's buffer layout, :mod:`userwise.pipelines.loader.buffer_layout`, where a
+batch's arrays sit in its buffer, nor the kernels' argument layouts,
+:mod:`userwise.pipelines.train.kernel_args`.)
 
 Real logs name and type their columns differently. A :class:`Layout` is the
 config's role mapping resolved against the input's Arrow schema: every input
@@ -141,7 +145,12 @@ def storage_schema(source: pa.Schema) -> pa.Schema:
 
 @dataclass(frozen=True)
 class SeqField:
-    """One field of a stored sequence: its short name and element type."""
+    """One field of a stored sequence: its short name and element type.
+
+    Example::
+
+        [sf.name for sf in layout.seq_fields]   # ['ts', 'item', 'category', 'author', 'action']
+    """
 
     name: str  # ts, item, action, or a feature / snapshot role name
     type: pa.DataType
@@ -150,6 +159,15 @@ class SeqField:
 
 @dataclass(frozen=True)
 class Layout:
+    """A config's column roles resolved against an input's Arrow schema (see the module doc):
+    every input column's role and level, the stored sequence's fields, the names in our tables.
+
+    Example::
+
+        lay = config.load("config.yaml").layout(pq.read_schema("impressions/"))
+        lay.roles()["labels"], [sf.name for sf in lay.seq_fields]
+    """
+
     fat: bool
     time_unit: str
     user: pa.Field

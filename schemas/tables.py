@@ -225,7 +225,12 @@ REQUEST_KEY_DOC = "request key: the input's request column (its type), or req_ti
 
 def event_fields(layout: Layout) -> tuple[Field, ...]:
     """Sequence events with their full sort key (action_time, request_time,
-    request_id, position, item, action bits, features), nulls first."""
+    request_id, position, item, action bits, features), nulls first.
+
+    Example::
+
+        [f.name for f in event_fields(layout)][:3]   # ['ev_ts', 'ev_req_time', 'ev_req_id']
+    """
     out = [
         Field(EV + "ts", i64, False, SEQ_DOCS["ts"]),
         Field(EV + "req_time", i64, True, "request time of the event's impression, in time_unit; "
@@ -242,7 +247,12 @@ def event_fields(layout: Layout) -> tuple[Field, ...]:
 
 
 def sort_key(layout: Layout) -> list[str]:
-    """The stream's total order, as event column names."""
+    """The stream's total order, as event column names.
+
+    Example::
+
+        sort_key(layout)                       # ['ev_ts', 'ev_req_time', 'ev_req_id', 'ev_pos', ...]
+    """
     keys = [EV + "ts", EV + "req_time", EV + "req_id", EV + "pos", EV + "item"]
     if not layout.fat:
         keys.append(EV + "action")
@@ -251,6 +261,12 @@ def sort_key(layout: Layout) -> list[str]:
 
 
 def requests_schema(layout: Layout) -> TableSchema:
+    """The requests table: one row per request, its impressions' columns as lists.
+
+    Example::
+
+        requests_schema(layout).to_spark()
+    """
     snap: tuple[Field, ...] = ()
     if layout.fat:
         snap = tuple(Field(SNAP + sf.name, list_of(sf.type), True, input_doc(SNAP_DOC, layout, sf.source))
@@ -278,6 +294,12 @@ def requests_schema(layout: Layout) -> TableSchema:
 
 
 def events_schema(layout: Layout) -> TableSchema:
+    """The action stream's table: one row per event, with its full sort key.
+
+    Example::
+
+        events_schema(layout).to_arrow()
+    """
     flds = fields(
         Field("date", d, False, "source day: the request's UTC day, or the action log's"),
         Field("user", layout.user.type, False, USER_DOC),
@@ -293,6 +315,12 @@ def events_schema(layout: Layout) -> TableSchema:
 
 
 def history_schema(layout: Layout) -> TableSchema:
+    """The history table: per user, the newest H events of the stream, as lists.
+
+    Example::
+
+        history_schema(layout).to_delta()
+    """
     flds = fields(
         Field("user", layout.user.type, False, USER_DOC),
         Field("last_event_date", d, False, "UTC day of the user's newest event"),
@@ -310,7 +338,12 @@ def chain_fields(layout: Layout) -> tuple[SeqField, ...]:
     """The fields of a stored event its content hash covers, in order (the event chain,
     :mod:`userwise.schemas.hashing`): what the model reads of an event. Lean: the item, each
     item feature, the action bits (not the time). Fat rows: the item, then every other
-    snapshot role but the time, in the config's order."""
+    snapshot role but the time, in the config's order.
+
+    Example::
+
+        [sf.name for sf in chain_fields(layout)]   # ['item', 'category', 'author', 'action']
+    """
     if layout.fat:
         item = [sf for sf in layout.seq_fields if sf.name == "item"]
         return tuple(item + [sf for sf in layout.seq_fields if sf.name not in ("item", "time")])
@@ -321,6 +354,13 @@ CHAIN_DOC = "(schemas.hashing: each event's hash over chain_fields, rolled from 
 
 
 def samples_schema(layout: Layout) -> TableSchema:
+    """The samples table: one row per (user, window, chunk), the stored sequence once and
+    every request's pointer into it (docs/shard-format.md).
+
+    Example::
+
+        samples_schema(layout).to_arrow().names[:4]
+    """
     seq = tuple(Field(SEQ + sf.name, list_of(sf.type), False, EVENT_LIST + seq_doc(layout, sf))
                 for sf in layout.seq_fields)
     fat: tuple[Field, ...] = ()
@@ -375,7 +415,12 @@ def samples_schema(layout: Layout) -> TableSchema:
 
 
 def shard_schema(layout: Layout) -> TableSchema:
-    """Shards hold sample rows; partition columns are kept as plain columns."""
+    """Shards hold sample rows; partition columns are kept as plain columns.
+
+    Example::
+
+        shard_schema(layout).to_arrow()        # what preshard writes and the loader reads
+    """
     base = samples_schema(layout)
     return TableSchema(
         "shard", base.fields, partition_by=(), doc="Per-node Parquet shard rows.", metadata=base.metadata

@@ -1,4 +1,8 @@
-"""Argument layouts for the HSTU attention kernels users run, and what each kernel's mask is.
+"""The kernels' argument layouts: a batch laid out for the HSTU attention kernels users run,
+and what each kernel's mask is.
+
+(Not the column layout of :mod:`userwise.schemas.layout` nor the loader's buffer layout,
+:mod:`userwise.pipelines.loader.buffer_layout`.)
 
 The kernels attend over jagged sequences of *slots*: a history (stored events) followed
 by targets (impressions). Each layout records which stored event or impression sits in
