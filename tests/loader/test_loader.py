@@ -283,7 +283,7 @@ def test_expand_batch_gives_odd_input_names_back(tmp_path, monkeypatch):
     stored = "imp__" + schemas.layout.storage_name(odd["score"])
     assert stored in schemas.shard_schema(lay).to_arrow().names  # the case really escapes a name
     row = shardgen._row
-    monkeypatch.setattr(shardgen, "layout", lambda: lay)
+    monkeypatch.setattr(shardgen, "layout", lambda item_features=2, labels=2: lay)
     monkeypatch.setattr(shardgen, "_row", lambda *a, **k: {stored if c == "imp__score" else c: v
                                                             for c, v in row(*a, **k).items()})
     root = str(tmp_path)
