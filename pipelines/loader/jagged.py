@@ -96,7 +96,7 @@ def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np_segment_ids(offsets.numpy()))
     offsets = offsets.long()
     total = int(offsets[-1]) if offsets.numel() else 0
-    return torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device),
+    return torch.repeat_interleave(torch.arange(max(offsets.numel() - 1, 0), device=offsets.device),
                                    offsets[1:] - offsets[:-1], output_size=total)
 
 
