@@ -37,7 +37,7 @@ ALIGN = 64
 
 
 def align(n: int) -> int:
-    """``n`` rounded up to :data:`ALIGN` bytes."""
+    """The first multiple of :data:`ALIGN` at or above ``n`` (bytes)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
