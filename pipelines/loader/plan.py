@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from userwise.pipelines.errors import ArgumentError
+from userwise.pipelines.loader.jagged import np_offsets, np_positions
 
 # the order of the samples inside one batch (the batch's samples are the same either way)
 BATCH_ORDERS = ("stored", "shuffled")
@@ -56,11 +57,11 @@ def user_unit(users, seed: int) -> np.ndarray:
         enc = [str(x).encode() for x in u]  # planning only (once per dataset), not on the decode path
         lens = np.array([len(e) for e in enc], np.int64)
         data = np.frombuffer(b"".join(enc), np.uint8).astype(np.uint64) + np.uint64(1)
-        pos = np.arange(len(data)) - np.repeat(np.cumsum(lens) - lens, lens)
+        seg, pos = np_positions(np_offsets(lens))  # each byte's string and place in it
         with np.errstate(over="ignore"):
             w = data * _splitmix(pos.astype(np.uint64))
         acc = np.zeros(len(u), np.uint64)
-        np.add.at(acc, np.repeat(np.arange(len(u)), lens), w)
+        np.add.at(acc, seg, w)
         h = _splitmix(acc ^ _splitmix(np.array([seed], np.uint64)))
     return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
@@ -218,7 +219,7 @@ def plan_node(*, rg_rows, rg_set, rg_owner, keep, costs, sets, world, epoch, see
             bufs = []
             for bi in range(0, len(rgs), buffer_rgs):
                 group = rgs[bi: bi + buffer_rgs]
-                base = np.concatenate([[0], np.cumsum(rg_rows[group])])
+                base = np_offsets(rg_rows[group])
                 rows = np.concatenate([np.flatnonzero(keep[g]) + base[j] if keep[g] is not None
                                        else np.arange(rg_rows[g]) + base[j] for j, g in enumerate(group)] or [np.zeros(0, int)])
                 if shuffle:

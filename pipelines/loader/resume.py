@@ -43,6 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from userwise.pipelines.errors import UserwiseError, expect
+from userwise.pipelines.loader.jagged import np_offsets
 from userwise.pipelines.loader.plan import RankPlan, assign, plan_node
 
 # ``ds`` below is the UserwiseDataset (dataset.py imports this module, so it is not imported here).
@@ -278,7 +279,7 @@ def _rows_in(plan: RankPlan, cursor: int, rg_rows: np.ndarray):
             return
         k = min(b.num_batches, cursor - j)
         rows = b.perm[int(b.bounds[0]): int(b.bounds[k])]
-        base = np.concatenate([[0], np.cumsum(rg_rows[b.rgs])])
+        base = np_offsets(rg_rows[b.rgs])
         which = np.searchsorted(base, rows, side="right") - 1
         yield b.rgs[which], rows - base[which]
         j += b.num_batches
