@@ -262,6 +262,17 @@ class UserwiseDataset(IterableDataset):
         """The saved runs that consumed part of ``epoch`` (empty for a whole epoch)."""
         return list(self._resumed[1]) if self._resumed is not None and self._resumed[0] == int(epoch) else []
 
+    @property
+    def roles(self) -> dict:
+        """The build's column roles (the manifest's ``roles``): what the samples' columns are,
+        e.g. for ``ReferenceRanker.for_roles(dataset.roles)``.
+
+        Example::
+
+            UserwiseDataset("/nvme/shards").roles["labels"]    # ['click', 'like']
+        """
+        return self.shards.roles
+
     def __len__(self) -> int:
         """This rank's batches in the current epoch (every rank of the job has as many)."""
         return self._plan().num_batches

@@ -298,7 +298,7 @@ def check_footer(pf, manifest: dict, path: str, rows: int | None = None) -> None
     except ValueError:  # a damaged footer
         same = False
     if not same:
-        raise ShardError(f"{path}: format version {v and v.decode(errors='replace')} differs from the manifest's "
+        raise ShardError(f"{path}: format version {v.decode(errors='replace') if v is not None else None!r} differs from the manifest's "
                          f"{manifest['format_version']}")
     if rows is not None and pf.metadata.num_rows != int(rows):
         raise ShardError(f"{path}: {pf.metadata.num_rows} rows, the manifest says {rows}; the file is from "

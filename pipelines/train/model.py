@@ -132,6 +132,24 @@ class ReferenceRanker(nn.Module):
             side, labels, device = len(fields.side), len(fields.labels), batch.device
         return cls(side_features=side, num_labels=labels, **kw).to(device)
 
+    @classmethod
+    def for_roles(cls, roles: dict, *, fields: Fields | None = None, **kw) -> "ReferenceRanker":
+        """A model sized for a build's column roles (``UserwiseDataset.roles``, or a batch's
+        ``meta["roles"]``): ``side_features`` and ``num_labels`` from them, as
+        :meth:`for_batch` takes them; on the CPU (move it with ``.to(device)``). For a model
+        that must exist before the first batch, as DDP's does.
+
+        Example::
+
+            model = ReferenceRanker.for_roles(dataset.roles, dim=32).to(device)
+        """
+        given = sorted(set(kw) & {"side_features", "num_labels"})
+        if given:
+            raise UserwiseError(f"ReferenceRanker.for_roles takes {', '.join(given)} from the roles; pass fields= "
+                                "to name the columns, or build ReferenceRanker(...) yourself")
+        fields = fields or Fields.from_roles(roles or {})
+        return cls(side_features=len(fields.side), num_labels=len(fields.labels), **kw)
+
     @property
     def reach(self) -> int:
         """How many events before an event its ``"window"`` encoding can depend on."""

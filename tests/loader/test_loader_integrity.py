@@ -228,7 +228,7 @@ def test_the_cli_says_one_line(shards, capsys, where):
            "header": ps[0][3] + 3,  # the page's uncompressed size (after the type field)
            "footer": footer(path)[0]}[where]  # the FileMetaData's first field header
     with Flipped(path, pos, 6):
-        rc = cli.main(["diagnose", "--shards", root, "--device", "cpu", "--batch-size", "8", "--batches", "400"])
+        rc = cli.main(["diagnose", "--staged", root, "--device", "cpu", "--batch-size", "8", "--batches", "400"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and path in err[0], (rc, err)
 

@@ -319,18 +319,23 @@ def _damage_format_version(path: str) -> tuple[int, int]:
     format version its Arrow schema carries (base64 in ``ARROW:schema``) a non-number."""
     data = open(path, "rb").read()
     run = re.compile(rb"[A-Za-z0-9+/]{64,}={0,2}").search(data, data.rindex(b"ARROW:schema"))
-    decoded = base64.b64decode(run.group(0))
-    j = decoded.index(b"\x01\x00\x00\x003\x00") + 4  # the value "3": a flatbuffer string of length 1
+    # the value's Thrift length prefix may read as a base64 character: skip it
+    skip = next(k for k in range(4) if (run.end() - run.start() - k) % 4 == 0
+                and b"userwise.format_version" in base64.b64decode(run.group(0)[k:]))
+    start = run.start() + skip
+    decoded = base64.b64decode(run.group(0)[skip:])
+    v = str(schemas.FORMAT_VERSION).encode()
+    j = decoded.index(len(v).to_bytes(4, "little") + v + b"\x00") + 4  # the value: a flatbuffer string
     for c in range((j // 3) * 4, (j // 3) * 4 + 4):
         for ch in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/":
             b = bytearray(data)
-            b[run.start() + c] = ch
+            b[start + c] = ch
             try:
                 v = pq.ParquetFile(io.BytesIO(bytes(b))).schema_arrow.metadata.get(b"userwise.format_version")
             except Exception:  # noqa: BLE001 - not this one
                 continue
             if v is not None and not v.isdigit():
-                return run.start() + c, ch
+                return start + c, ch
     raise AssertionError("no such byte")
 
 
@@ -347,7 +352,7 @@ def test_a_damaged_format_version_in_the_footer_is_a_shard_error(shards, tmp_pat
         for verify in ("size", "none"):
             with pytest.raises(ShardError, match="format version"):
                 _batches(shards, verify)
-        r = cli("diagnose", "--shards", shards, "--device", "cpu", "--batch-size", "8", "--batches", "5")
+        r = cli("diagnose", "--staged", shards, "--device", "cpu", "--batch-size", "8", "--batches", "5")
         one_error(r, path)
     finally:
         open(path, "wb").write(orig)

@@ -69,3 +69,17 @@ def test_a_model_of_other_roles_is_refused_naming_for_batch(other_roles):
         model.loss(model(ub), ub.labels)
     with pytest.raises(UserwiseError, match="from the batch"):
         ReferenceRanker.for_batch(other_roles[0], dim=16, num_labels=2)
+
+
+def test_for_roles_sizes_a_model_before_the_first_batch(other_roles, tmp_path):
+    """DDP needs the model before the loop: the dataset's roles size it as a batch would."""
+    from userwise.pipelines.loader import UserwiseDataset
+
+    root = shard_set(str(tmp_path / "S"), max_seq_len=20, samples=20, seed=3, item_features=1, labels=3)
+    roles = UserwiseDataset(root, device="cpu").roles
+    assert roles == other_roles[0].meta["roles"]
+    a = ReferenceRanker.for_roles(roles, dim=16)
+    b = ReferenceRanker.for_batch(other_roles[0], dim=16)
+    assert [p.shape for p in a.parameters()] == [p.shape for p in b.parameters()]
+    with pytest.raises(UserwiseError, match="from the roles"):
+        ReferenceRanker.for_roles(roles, dim=16, side_features=2)
