@@ -82,14 +82,18 @@ step loader_bench_cpu 130 python3 benchmarks/loader_bench.py --device cpu --prof
 #    device against the host (the CUDA tests; they skip elsewhere);
 # 5. benchmarks/train_bench.py on the GPU: user-wise against point-wise training and the least
 #    plan, L = 200 and 1000, the demo, heavy-user and one-request shapes (2 s a figure).
-# TRAIN_STEPS (default "train_tests train_bench_cuda") picks these; TRAIN_STEPS="" skips them,
+# TRAIN_STEPS (default "train_tests guide train_bench_cuda") picks these; TRAIN_STEPS="" skips them,
 # STEPS=none runs them alone.
-TRAIN_STEPS=${TRAIN_STEPS-train_tests train_bench_cuda}
+TRAIN_STEPS=${TRAIN_STEPS-train_tests guide train_bench_cuda}
 train_step() {  # train_step NAME LIMIT_S CMD...
     case " $TRAIN_STEPS " in *" $1 "*) STEPS="$1" step "$@" ;; *) return 0 ;; esac
 }
 train_step train_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -k cuda \
     tests/train/test_spans_masks.py tests/train/test_model.py
+# 4b. the guide: the README's Train block (batches on cuda, the model on their device, all of the
+#     node's impressions in one process) and docs/training.md's DDP loop with NCCL (train, checkpoint,
+#     resume) on this GPU
+train_step guide 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/train/test_guide_loops.py
 train_step train_bench_cuda 150 python3 benchmarks/train_bench.py --device cuda --threads 0 --seconds 2 \
     --json "$OUTDIR/train_bench_cuda.json" --plot "$OUTDIR/train_bench_cuda.png"
 

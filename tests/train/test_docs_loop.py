@@ -33,14 +33,14 @@ def _rank(i: int, code: str, env: dict, out: str) -> None:
     exec(compile(code, "docs/training.md", "exec"), {"__name__": "__main__"})
 
 
-def run(code: str, tmp, name: str, **env) -> list[tuple[int, float]]:
+def run(code: str, tmp, name: str, nprocs: int = 2, **env) -> list[tuple[int, float]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           **{k: str(v) for k, v in env.items()}}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
+           "LOCAL_WORLD_SIZE": str(nprocs), **{k: str(v) for k, v in env.items()}}
     out = str(tmp / name)
-    mp.start_processes(_rank, args=(code, env, out), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_rank, args=(code, env, out), nprocs=nprocs, join=True, start_method="fork")
     lines = open(f"{out}.0").read().split("\n")
     return [(int(m[1]), float(m[2])) for m in (re.match(r"step (\d+) loss (\S+)", x) for x in lines) if m]
 
