@@ -55,6 +55,7 @@ import pyarrow.parquet as pq
 import torch
 
 from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.loader.jagged import np_offsets, np_segment_ids
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.serve.chain import Chain
 from userwise.pipelines.serve.incremental import Candidates, Events, empty_state, extend, full_scores, score
@@ -198,10 +199,6 @@ def _ids(values: np.ndarray) -> np.ndarray:
     return values.astype(str) if values.dtype == object else values
 
 
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-
 def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None = None,
                verify: str = "size") -> Trace:
     """Read a shard set (its root, or one node's staged copy) into a :class:`Trace` routed
@@ -271,8 +268,8 @@ def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len
     labels = [_flat(t, c, np.float64)[0] for c in fields.labels]
     rid, n_req = _flat(t, "req_id", None)
     rtime, begin, end, nimps = (_flat(t, c)[0] for c in ("req_time", "req_seq_begin", "req_seq_end", "req_num_imps"))
-    so, ro = _offsets(n_ev), _offsets(n_req)
-    req_sample = np.repeat(np.arange(S), n_req)
+    so, ro = np_offsets(n_ev), np_offsets(n_req)
+    req_sample = np_segment_ids(ro)
     per_sample_imps = np.add.reduceat(nimps, ro[:-1]) if len(nimps) else np.zeros(S, np.int64)
     per_sample_imps = np.where(n_req > 0, per_sample_imps, 0)
     bad = np.flatnonzero(per_sample_imps != n_imp)
@@ -317,7 +314,7 @@ def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len
                  sets=sets, users=users, sample_ids=sample_ids, seq_offsets=so, ev_item=lt(item),
                  ev_side=stack(side, len(item)), ev_action=lt(action), ev_time=None if ts is None else lt(ts),
                  hashes=hashes, req_offsets=ro, req_sample=req_sample, req_begin=begin, req_end=end, req_time=rtime,
-                 req_id=rid, imp_offsets=_offsets(nimps), tgt_item=lt(tgt), tgt_side=stack(tgt_side, len(tgt)),
+                 req_id=rid, imp_offsets=np_offsets(nimps), tgt_item=lt(tgt), tgt_side=stack(tgt_side, len(tgt)),
                  labels=torch.from_numpy(np.stack(labels, 1) if labels else np.zeros((len(tgt), 0))),
                  node_of_sample=np.asarray(node_of_sample, dtype=np.int64), order=order)
 
@@ -383,7 +380,7 @@ def _sample_batch(trace: Trace, s: int, device) -> UserBatch:
     t = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)  # noqa: E731
     sp = Spans.from_arrays(seq_offsets=t([0, b - a]), req_offsets=t([0, r1 - r0]), req_begin=t(trace.req_begin[r0:r1]),
                            req_end=t(trace.req_end[r0:r1]), imp_offsets=t([0, i1 - i0]),
-                           imp_req=t(np.repeat(np.arange(r1 - r0), k)))
+                           imp_req=t(np_segment_ids(np_offsets(k))))
     return UserBatch(ev_item=trace.ev_item[a:b].to(device), ev_side=trace.ev_side[a:b].to(device),
                      ev_action=trace.ev_action[a:b].to(device), tgt_item=trace.tgt_item[i0:i1].to(device),
                      tgt_side=trace.tgt_side[i0:i1].to(device), labels=trace.labels[i0:i1].to(device), spans=sp)
