@@ -21,11 +21,12 @@ import torch
 
 from userwise import schemas
 from userwise.pipelines import cli
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.serve import TIERS, KVStore, build_replay, chain_of, nodes_of, read_trace, replay
 from userwise.pipelines.shards import preshard
 from userwise.pipelines.tools import shardgen
 from userwise.pipelines.train import ReferenceRanker
+from userwise.schemas.hashing import sequence_chain
 
 L = 20  # shardgen's max_seq_len
 SMALL = dict(page_size=8, device_bytes=40_000, host_bytes=80_000, disk_bytes=200_000)  # every tier in use
@@ -186,8 +187,25 @@ def _chained(samples: pa.Table, *, alter: bool) -> tuple[pa.Table, int]:
         row["req_seq_begin"] = [max(0, e - L) for e in row["req_seq_end"]]
         row["num_events"] += n0
         row["cost"] += n0
+        cps, row["chain_end"] = sequence_chain([row[c] for c in ("seq_item", "seq_category", "seq_author",
+                                                                 "seq_action")], row["chain_block"])
+        row["chain_checkpoints"] = [int(x) for x in cps]
         chained += 1
     return pa.Table.from_pylist(rows, schema=samples.schema), chained
+
+
+def test_the_chain_the_build_wrote_is_checked_against_the_events(samples, tmp_path):
+    """Every sample's chain columns (what the data says its history is) equal the chain the
+    replay computes from its events; a sample whose events or chain were changed apart is
+    refused naming it."""
+    assert "chain_end" in samples.column_names
+    read_trace(_write(samples, tmp_path / "ok"))
+    rows = samples.to_pylist()
+    k = next(i for i, r in enumerate(rows) if r["num_events"] > 2 * r["chain_block"] or r["num_events"] > 3)
+    rows[k]["seq_item"][1] += 1  # an event changed, the chain left as the build wrote it
+    bad = pa.Table.from_pylist(rows, schema=samples.schema)
+    with pytest.raises(ShardError, match=f"sample {rows[k]['sample_id']} .*the chain the build wrote differs"):
+        read_trace(_write(bad, tmp_path / "bad"))
 
 
 def test_a_new_window_keeps_the_cache_only_when_it_starts_with_the_same_events(samples, tmp_path):
