@@ -92,7 +92,7 @@ ARGS = ["--nodes", "2", "--ranks-per-node", "1"]
 
 def _cli_backfill(data, out, shards, d1, d2, *extra):
     return [sys.executable, "-m", "userwise.pipelines.cli", "backfill", "--from", d1, "--to", d2,
-            "--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--output", str(out),
+            "--config", str(data / "config.yaml"), "--input", str(data / "lean"), "--build-dir", str(out),
             "--shards", str(shards), *ARGS, *extra]
 
 

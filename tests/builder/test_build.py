@@ -386,7 +386,7 @@ def test_a_month_of_windows_round_trips_to_the_oracle(month, mn, tmp_path):
     assert rep["reconciled"] and rep["quarantined"] == {}
     assert rep["extra_chunks"] > 0, "the cost cap must split some samples"
     dest = tmp_path / "expanded"
-    assert cli.main(["expand", "--samples", month["outs"][mn], "--output", str(dest)]) == 0
+    assert cli.main(["expand", "--build-dir", month["outs"][mn], "--expanded", str(dest)]) == 0
     got = O.read_parquet_dir(dest)
     want = O.expected_pointwise(month["imp"], month["cfg_d"], MONTH_AS_OF.isoformat(), [],
                                 actions_path=month["act"], rejected_actions=[])

@@ -231,11 +231,11 @@ def built(spark, corpus, tmp_path_factory):
         if name not in cache:
             spec, cfg, as_of, *_ = corpus[name]
             d = tmp_path_factory.mktemp(f"build-{name}")
-            argv = ["build", "--config", write_yaml(cfg, d / "c.yaml"), "--input", spec, "--output", d / "out",
-                    "--as-of", as_of, "--pretrain-days", 1, "--window-days", 1, "--report", d / "r.json"]
+            argv = ["build", "--config", write_yaml(cfg, d / "c.yaml"), "--input", spec, "--build-dir", d / "out",
+                    "--as-of", as_of, "--incremental-days", 1, "--window-days", 1, "--report", d / "r.json"]
             rc, _, err = run_cli(argv)
             assert rc == 0, (name, err)
-            rc, _, err = run_cli(["expand", "--samples", d / "out", "--output", d / "x.parquet"])
+            rc, _, err = run_cli(["expand", "--build-dir", d / "out", "--expanded", d / "x.parquet"])
             assert rc == 0, (name, err)
             cache[name] = (json.loads((d / "r.json").read_text()), d / "x.parquet")
         return cache[name]
@@ -342,7 +342,7 @@ def test_synth_delta_output_builds(spark, tmp_path):
                           "--kinds", "lean"])
     assert rc == 0, err
     rc, out, err = run_cli(["build", "--config", tmp_path / "s" / "config.yaml", "--input", tmp_path / "s" / "lean",
-                            "--output", tmp_path / "out", "--as-of", "2026-01-03", "--pretrain-days", 1,
+                            "--build-dir", tmp_path / "out", "--as-of", "2026-01-03", "--incremental-days", 1,
                             "--window-days", 1, "--report", tmp_path / "r.json"])
     assert rc == 0, err
     rep = json.loads((tmp_path / "r.json").read_text())
@@ -399,8 +399,8 @@ def test_validate_and_build_refuse_every_fault_with_the_same_line(spark, corpus,
         c = write_yaml(cfg, tmp_path / "f.yaml")
         extra = ["--actions", spec] if name == "fat rows with an action log" else []
         rc_v, _, err_v = run_cli(["validate", "--config", c, "--input", spec, *extra])
-        rc_b, _, err_b = run_cli(["build", "--config", c, "--input", spec, "--output", tmp_path / "o",
-                                  "--as-of", "2026-03-03", "--pretrain-days", 1, "--window-days", 1, *extra])
+        rc_b, _, err_b = run_cli(["build", "--config", c, "--input", spec, "--build-dir", tmp_path / "o",
+                                  "--as-of", "2026-03-03", "--incremental-days", 1, "--window-days", 1, *extra])
         lv, lb = error_lines(err_v), error_lines(err_b)
         assert rc_v == rc_b == 2 and len(lv) == 1 and lv == lb, (name, err_v, err_b)
         assert not (tmp_path / "o" / "samples").exists(), name

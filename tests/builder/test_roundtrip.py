@@ -71,8 +71,8 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 def build_argv(log: E.EdgeLog, out: Path, M: int, N: int, cfg: dict | None = None) -> list:
     cfg_path = E.write_config(cfg or log.config, out.parent / f"{out.name}.yaml")
-    argv = ["build", "--config", cfg_path, "--input", log.impressions, "--output", out, "--as-of", log.as_of,
-            "--pretrain-days", M, "--window-days", N, "--report", out.parent / f"{out.name}.json"]
+    argv = ["build", "--config", cfg_path, "--input", log.impressions, "--build-dir", out, "--as-of", log.as_of,
+            "--incremental-days", M, "--window-days", N, "--report", out.parent / f"{out.name}.json"]
     if log.actions:
         argv += ["--actions", log.actions]
     return argv
@@ -131,7 +131,7 @@ def expander(builder):
         if key not in cache:
             b = builder(variant, window)
             dest = b.out.parent / f"expanded-{max_seq_len or 'L'}"
-            argv = ["expand", "--samples", b.out, "--output", dest]
+            argv = ["expand", "--build-dir", b.out, "--expanded", dest]
             if max_seq_len:
                 argv += ["--max-seq-len", max_seq_len]
             try:
@@ -180,7 +180,7 @@ def test_expand_shorter_max_seq_len_keeps_newest(case, expander, builder):
 
 def test_expand_longer_max_seq_len_is_an_error(builder, tmp_path):
     b = builder("actions", "both")
-    rc, err = run_cli(["expand", "--samples", b.out, "--output", tmp_path / "x",
+    rc, err = run_cli(["expand", "--build-dir", b.out, "--expanded", tmp_path / "x",
                        "--max-seq-len", b.log.config["max_seq_len"] + 1])
     assert rc == 2
     assert len(error_lines(err)) == 1, err
@@ -533,7 +533,7 @@ def test_a_timestamp_request_time_keeps_its_copy_and_both_forms_round_trip(logs,
     cols_ts = pq.read_schema(next(Path(out, "samples").rglob("*.parquet"))).names
     assert "req__request_ts" in cols_ts and "req__request_ts" not in cols_int
     assert "req__request_id" not in cols_ts and "req__request_id" not in cols_int
-    rc, err = run_cli(["expand", "--samples", out, "--output", tmp_path / "x"])
+    rc, err = run_cli(["expand", "--build-dir", out, "--expanded", tmp_path / "x"])
     assert rc == 0, err
     got = O.read_parquet_dir(tmp_path / "x").sort("row_uid")
     want = expander("actions", "both").sort("row_uid")

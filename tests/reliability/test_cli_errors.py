@@ -57,23 +57,23 @@ def test_a_config_naming_a_missing_label_column(log, tmp_path):
     cfg = _config(log, tmp_path, labels=["clik"])
     line = one_error(cli("validate", "--config", cfg, "--input", str(log / "lean")), "clik", "labels")
     # the build refuses the same config with the same line, before Spark starts
-    assert one_error(cli("build", "--config", cfg, "--input", str(log / "lean"), "--output", str(tmp_path / "D"),
-                         "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1")) == line
+    assert one_error(cli("build", "--config", cfg, "--input", str(log / "lean"), "--build-dir", str(tmp_path / "D"),
+                         "--as-of", "2026-01-03", "--incremental-days", "1", "--window-days", "1")) == line
 
 
 @pytest.mark.parametrize("date", ["2026-13-01", "yesterday", "2026-1-2x"])
 def test_a_wrong_date_for_the_daily_jobs(tmp_path, date):
     for job in ("requests", "history", "window"):
-        one_error(cli(job, "--config", "c.yaml", "--input", "x", "--output", str(tmp_path), "--date", date)
+        one_error(cli(job, "--config", "c.yaml", "--input", "x", "--build-dir", str(tmp_path), "--date", date)
                   if job == "requests" else
-                  cli(job, "--config", "c.yaml", "--output", str(tmp_path), "--date", date), date, "--date")
+                  cli(job, "--config", "c.yaml", "--build-dir", str(tmp_path), "--date", date), date, "--date")
 
 
 def test_an_output_folder_that_is_a_file(log, tmp_path):
     out = tmp_path / "D"
     out.write_text("not a folder")
-    one_error(cli("build", "--config", str(log / "config.yaml"), "--input", str(log / "lean"), "--output", str(out),
-                  "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1"), str(out))
+    one_error(cli("build", "--config", str(log / "config.yaml"), "--input", str(log / "lean"), "--build-dir", str(out),
+                  "--as-of", "2026-01-03", "--incremental-days", "1", "--window-days", "1"), str(out))
 
 
 def test_a_missing_input(log, tmp_path):
@@ -83,7 +83,7 @@ def test_a_missing_input(log, tmp_path):
 
 def test_an_unknown_command_or_flag():
     one_error(cli("bild"), "bild")
-    one_error(cli("stage", "--shards", "s", "--node", "0", "--dest", "d", "--wrkers", "2"), "--wrkers")
+    one_error(cli("stage", "--shards", "s", "--node", "0", "--staged", "d", "--wrkers", "2"), "--wrkers")
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_stage_when_the_manifest_names_a_missing_file(shard_set, tmp_path):
     m = json.load(open(os.path.join(shard_set, "manifest.json")))
     gone = m["shards"][-1]["path"]
     os.remove(os.path.join(shard_set, gone))
-    one_error(cli("stage", "--shards", shard_set, "--node", "0", "--dest", str(tmp_path / "nvme")),
+    one_error(cli("stage", "--shards", shard_set, "--node", "0", "--staged", str(tmp_path / "nvme")),
               gone, "rerun `userwise preshard`")
 
 
@@ -121,8 +121,8 @@ def test_stage_when_the_disk_fills_during_the_copy_then_a_rerun_resumes(shard_se
         stage._open_part = full
         sys.exit(main(sys.argv[1:]))
     """)
-    one_error(cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest, code=code), "disk is full")
-    r = cli("stage", "--shards", shard_set, "--node", "0", "--dest", dest, "--json")
+    one_error(cli("stage", "--shards", shard_set, "--node", "0", "--staged", dest, code=code), "disk is full")
+    r = cli("stage", "--shards", shard_set, "--node", "0", "--staged", dest, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["files"] > 0
 
@@ -137,7 +137,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
         stage.cli = boom
         sys.exit(cli.main(sys.argv[1:]))
     """)
-    args = ("stage", "--shards", "s", "--node", "0", "--dest", str(tmp_path))
+    args = ("stage", "--shards", "s", "--node", "0", "--staged", str(tmp_path))
     r = cli(*args, code=code)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "error: internal error (ZeroDivisionError: a bug); rerun with `userwise --debug ...` for the traceback "
@@ -156,8 +156,8 @@ def test_build_inputs_that_cannot_be_read(log, tmp_path):
     csv.mkdir()
     (csv / "part-0.csv").write_text("user_id,item_id\n1,2\n")
     for bad, needle in ((empty, "empty"), (csv, "csv")):
-        r = cli("build", "--config", str(log / "config.yaml"), "--input", str(bad), "--output", str(tmp_path / "D"),
-                "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1")
+        r = cli("build", "--config", str(log / "config.yaml"), "--input", str(bad), "--build-dir", str(tmp_path / "D"),
+                "--as-of", "2026-01-03", "--incremental-days", "1", "--window-days", "1")
         one_error(r, str(bad))
     shutil.rmtree(tmp_path / "D", ignore_errors=True)
 
@@ -169,8 +169,8 @@ def test_a_refused_build_names_the_config_key_behind_its_main_reason(log, tmp_pa
     cfg["min_year"] = 2030  # every row of the 2026 log is now out of range
     p = tmp_path / "config.yaml"
     p.write_text(yaml.safe_dump(cfg))
-    one_error(cli("build", "--config", str(p), "--input", str(log / "lean"), "--output", str(tmp_path / "D"),
-                  "--as-of", "2026-01-03", "--pretrain-days", "1", "--window-days", "1"),
+    one_error(cli("build", "--config", str(p), "--input", str(log / "lean"), "--build-dir", str(tmp_path / "D"),
+                  "--as-of", "2026-01-03", "--incremental-days", "1", "--window-days", "1"),
               "max_quarantine_share", "bad_time: check min_year")
 
 
@@ -183,13 +183,13 @@ def test_an_input_whose_schema_changed_between_days(log, tmp_path):
     import pyarrow.dataset as ds
 
     out, cfg = tmp_path / "D", str(log / "config.yaml")
-    r = cli("requests", "--config", cfg, "--input", str(log / "lean"), "--output", str(out), "--date", "2026-01-01")
+    r = cli("requests", "--config", cfg, "--input", str(log / "lean"), "--build-dir", str(out), "--date", "2026-01-01")
     assert r.returncode == 0, r.stderr[-3000:]
     before = sorted(os.listdir(out / "requests" / "_delta_log"))
     t = ds.dataset(str(log / "lean"), partitioning="hive").to_table()
     t = t.set_column(t.schema.get_field_index("hour"), "hour", pc.cast(t["hour"], "string"))
     changed = tmp_path / "changed"
     ds.write_dataset(t, changed, format="parquet", partitioning=["date"], partitioning_flavor="hive")
-    one_error(cli("requests", "--config", cfg, "--input", str(changed), "--output", str(out), "--date", "2026-01-02"),
+    one_error(cli("requests", "--config", cfg, "--input", str(changed), "--build-dir", str(out), "--date", "2026-01-02"),
               "'hour'", "new folder")
     assert sorted(os.listdir(out / "requests" / "_delta_log")) == before

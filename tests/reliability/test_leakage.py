@@ -189,7 +189,7 @@ def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
     assert rc == 0, f"build failed: {err}"
     report = json.loads((root / "out.json").read_text())
     dest = root / "expanded"
-    rc, err = run_cli(["expand", "--samples", out, "--output", dest])
+    rc, err = run_cli(["expand", "--build-dir", out, "--expanded", dest])
     assert rc == 0, f"expand failed: {err}"
     got = O.read_parquet_dir(dest)
 
