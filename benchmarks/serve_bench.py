@@ -47,6 +47,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
+from benchmarks.train_bench import finish  # noqa: E402
 from userwise.pipelines.serve import (  # noqa: E402
     Candidates,
     Events,
@@ -266,20 +267,7 @@ def main(argv=None) -> int:
             print(f"n={n:<5} c={c:<4} full {r['full_ms']:>9.2f} ms  cached {r['cached_ms']:>8.2f} ms "
                   f"({r['speedup']:>6.2f}x)  + store {r['cached_store_ms']:>8.2f} ms ({r['speedup_with_store']:>6.2f}x)"
                   f"  score only {r['score_only_ms']:>7.2f} ms  least plan {r['least_plan_ms']:>7.2f} ms", flush=True)
-    result["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["verdicts"] = verdicts(result)
-    for v in result["verdicts"]:
-        print("VERDICT", v)
-    out_json = a.json or (None if q else os.path.join(RESULTS, "serve_bench.json"))
-    out_png = a.plot or (None if q else os.path.join(RESULTS, "serve_bench.png"))
-    text = json.dumps(result, indent=1)
-    if out_json:
-        with open(out_json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    if out_png:
-        plot(result, out_png)
+    finish(result, verdicts, plot, name="serve_bench", json_path=a.json, png_path=a.plot, quick=q)
     return 0
 
 

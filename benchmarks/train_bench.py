@@ -364,12 +364,20 @@ def main(argv=None) -> int:
                   f"{r['pointwise']['impressions_per_s']:>9.1f}/s  speedup {r['speedup']:>7.2f}x  FLOPs ratio "
                   f"{r['flops_ratio']:>7.2f}x  least plan {r['least_plan']['impressions_per_s']:>10.1f}/s "
                   f"(user-wise at {r['userwise_share_of_least_plan']:.2f} of it)", flush=True)
+    finish(result, verdicts, plot, name="train_bench", json_path=a.json, png_path=a.plot, quick=q)
+    return 0
+
+
+def finish(result: dict, verdicts, plot, *, name: str, json_path, png_path, quick: bool) -> None:
+    """A benchmark's end, shared by the scripts that keep one result: the load at the end,
+    the verdicts printed, the JSON (``results/NAME.json`` unless given; stdout for a quick
+    run) and the plot drawn from it."""
     result["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["verdicts"] = verdicts(result)
     for v in result["verdicts"]:
         print("VERDICT", v)
-    out_json = a.json or (None if q else os.path.join(RESULTS, "train_bench.json"))
-    out_png = a.plot or (None if q else os.path.join(RESULTS, "train_bench.png"))
+    out_json = json_path or (None if quick else os.path.join(RESULTS, f"{name}.json"))
+    out_png = png_path or (None if quick else os.path.join(RESULTS, f"{name}.png"))
     text = json.dumps(result, indent=1)
     if out_json:
         with open(out_json, "w") as f:
@@ -378,7 +386,6 @@ def main(argv=None) -> int:
         print(text)
     if out_png:
         plot(result, out_png)
-    return 0
 
 
 def verdicts(result: dict) -> list[str]:
