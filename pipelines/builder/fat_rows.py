@@ -3,11 +3,11 @@
 Per sample set (pretrain, or one window; a range build computes all of them in one
 plan, keyed by (user, set)) and user:
 1. each request's snapshot (already proven identical across its impressions)
-   is exploded; an event's identity is its full tuple plus its occurrence
-   number among equal tuples in the snapshot;
+   is taken apart into events; an event's identity is its full tuple plus its
+   occurrence number among equal tuples in the snapshot;
 2. the distinct events, ordered by time, then (for equal times) by where the
-   first snapshot holding them lists them, then by their fields, are the
-   stitched stream; each gets its index;
+   first snapshot holding them lists them, are the stitched stream; each gets
+   its index;
 3. a snapshot whose events sit at consecutive indexes, in order, is a slice
    [seq_begin, seq_end); any other one (edited history, reordered, clock
    skew) is kept whole as an override for its request. A wrong guess costs
@@ -18,25 +18,25 @@ given and counted.
 
 from __future__ import annotations
 
-from pyspark.sql import DataFrame, Window
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from userwise import schemas as S
 from userwise.pipelines.builder.pointer import (
     SET,
-    assign_chunks,
-    bucket_of,
     by_set,
-    chunk_seqs,
+    chunk_ids,
+    events_before_each,
+    indexes,
     keep,
-    prefix,
-    route_events,
+    let,
+    run_ids,
     sample_rows,
 )
 from userwise.pipelines.config import Config
 from userwise.pipelines.runtime import delta_io
-from userwise.schemas import EV, SNAP, Layout
+from userwise.schemas import EV, SEQ, SNAP, Layout
 
 
 def _roles(layout: Layout) -> list[str]:
@@ -64,14 +64,6 @@ def explode_snapshots(layout: Layout, reqs: DataFrame, keep: tuple[str, ...] = (
     return x.withColumn("occ", (F.row_number().over(w) - 1).cast("long"))
 
 
-def stream_order(layout: Layout) -> list[str]:
-    """Time first; events at the same time keep the order of the snapshot that first holds
-    them (legacy logs list same-time clicks in display order, which their fields cannot tell)."""
-    roles = _roles(layout)
-    rest = [r for r in roles if r not in ("time", "item")]
-    return ["f_time", "_first", "f_item", *[f"f_{r}" for r in rest], "occ"]
-
-
 def fat_samples(cfg: Config, layout: Layout, reqs: DataFrame, kind: str, window_start, window_end) -> DataFrame:
     """The samples of one set (pretrain, or one window) from its requests."""
     return fat_sets(cfg, layout, reqs.withColumn(SET, F.lit(0)), [(kind, window_start, window_end)])
@@ -82,55 +74,159 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
     of (kind, window_start, window_end)). A fat set's stream comes from its own requests'
     snapshots alone (no history), so the sets are independent: every step is keyed by
     (user, _set), and one Spark plan serves them all. One set is the same code
-    (:func:`fat_samples`), so a range build and the daily jobs give the same rows."""
+    (:func:`fat_samples`), so a range build and the daily jobs give the same rows.
+
+    An array plan, as the lean one (:func:`pointer.lean_sets`): each (user, set) collects
+    its requests' keys and snapshots once (narrow: the events' fields, no impressions), in
+    (req_time, req_id) order, and finds everything from one sort of their events:
+
+    1. every snapshot event (request j, position p) sorted by its fields, then (j, p): equal
+       tuples sit together, the first of them held by the first snapshot; an event repeated
+       within one snapshot (rare) takes its occurrence number there, and the events are
+       sorted again with it (the identity is the full tuple plus that number);
+    2. the distinct events, sorted by (time, j, p of their first holder), are the stream;
+    3. each snapshot event's index in it is its identity's place; a snapshot is a slice when
+       every event sits at its first event's index plus its position, else an override;
+    4. the chunks from the same greedy fold as lean input (:func:`pointer.chunk_ids`), a
+       chunk's stored range from its requests' least begin to their greatest end.
+
+    Only keys, sizes and the stream leave these rows; the requests' wide columns join back
+    once, for the samples' groupBy by chunk. What a heavy user costs: per set, its
+    snapshots' events are one row, sorted in one task, as the chunk fold needs anyway."""
     roles = _roles(layout)
-    fcols = [f"f_{r}" for r in roles]
     part = (SET,)
-    x = explode_snapshots(layout, reqs, keep=part)
-    ev = x.groupBy("user", *part, *fcols, "occ").agg(F.min(F.struct("req_time", "req_id", "p")).alias("_first"))
-    ev = ev.withColumn("_t", _time_units(layout, cfg, F.col("f_time"))).withColumn("_sk", bucket_of(F.col("_t"), cfg))
-    ev = ev.withColumn("_one", F.lit(1))
-    ev = prefix(ev, ["user", *part], "_sk", [F.col(c).asc_nulls_first() for c in stream_order(layout)],
-                sums={"_cum": "_one"})
-    ev = keep(ev.select("user", *part, *fcols, "occ", (F.col("_cum") - 1).alias("idx")))
-    # where each snapshot's events sit in the stream
-    j = x.join(ev, on=["user", *part, *fcols, "occ"], how="inner")
-    per = j.groupBy("user", "req_id", "req_time").agg(
-        F.count(F.lit(1)).alias("_n"), F.min("idx").alias("_mn"), F.max("idx").alias("_mx"),
-        F.min(F.col("idx") - F.col("p")).alias("_dmin"), F.max(F.col("idx") - F.col("p")).alias("_dmax"))
-    is_slice = (F.col("_n") == F.col("_mx") - F.col("_mn") + 1) & (F.col("_dmin") == F.col("_dmax"))
-    # The pointer and the chunks are worked out on narrow rows (keys and sizes); the wide
-    # columns (impressions, snapshots) join back once, by request, for the samples' groupBy.
+    fnames = [f"f_{r}" for r in roles]
     first = F.col(SNAP + roles[0])
-    nar = reqs.select("user", *part, "req_id", "req_time", "num_imps",
-                      F.when(first.isNull(), F.lit(-1)).otherwise(F.size(first)).alias("_sn"))
-    r = nar.join(per, on=["user", "req_id", "req_time"], how="left")
-    kind_col = (F.when(F.col("_sn") < 0, F.lit(2))
-                .when(F.col("_sn") == 0, F.lit(0))
-                .when(is_slice, F.lit(0))
-                .otherwise(F.lit(1))).cast("byte")
-    r = r.withColumn("_snap_kind", kind_col)
-    slice_ok = (F.col("_snap_kind") == 0) & (F.col("_sn") > 0)
-    r = (r.withColumn("_b", F.when(slice_ok, F.col("_mn")))
-          .withColumn("_e", F.when(slice_ok, F.col("_mx") + 1))
-          .withColumn("_len", F.coalesce(F.col("_e") - F.col("_b"), F.lit(0)).cast("long"))
-          .withColumn("_ovr_len", F.when(F.col("_snap_kind") == 1, F.col("_sn")).otherwise(0).cast("int"))
-          .withColumn("_c", (F.col("num_imps") + F.col("_ovr_len")).cast("long")))
-    r = assign_chunks(cfg, r, part)
-    wc = Window.partitionBy("user", *part, "chunk").rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
-    r = (r.withColumn("lo", F.coalesce(F.min("_b").over(wc), F.lit(0)))
-          .withColumn("hi", F.coalesce(F.max("_e").over(wc), F.lit(0))))
-    r = keep(r.select("user", *part, "req_id", "req_time", "chunk", "lo", "hi", "_b", "_e", "_snap_kind", "_ovr_len"))
-    ranges = r.select("user", *part, "chunk", "lo", "hi").distinct()
-    routed = route_events(cfg, ev, ranges, part)
+    z = F.arrays_zip(*[F.col(SNAP + r).alias(r) for r in roles])
+    z_type = reqs.select(z.alias("z")).schema["z"].dataType
+    nar = reqs.select(
+        "user", SET, "req_time", "req_id", "num_imps",
+        F.when(first.isNull(), F.lit(-1)).otherwise(F.size(first)).alias("_sn"),
+        F.coalesce(F.when(first.isNotNull(), z), F.array().cast(z_type)).alias("_z"))
+    per = nar.groupBy("user", SET).agg(
+        F.sort_array(F.collect_list(F.struct("req_time", "req_id", "num_imps", "_sn", "_z"))).alias("_R"))
+
+    def same(a: Column, b: Column, names: list[str]) -> Column:
+        """Two events equal in ``names`` (nulls equal, as a groupBy compares them)."""
+        eq = F.lit(True)
+        for nm in names:
+            eq = eq & a[nm].eqNullSafe(b[nm])
+        return eq
+
+    def ev(e: Column, occ: Column, j: Column, p: Column, names: list[str] = roles) -> Column:
+        """An event: its fields (``names`` of ``e``), occurrence number, request and position."""
+        return F.struct(*[e[r].alias(f) for r, f in zip(names, fnames)], occ.alias("occ"), j.alias("j"), p.alias("p"))
+
+    def stitch(R: Column) -> Column:
+        nreq = F.size(R)
+        # 1. every snapshot event: its fields, then its request's place j and its position p
+        flat = F.flatten(F.transform(R, lambda r, j: F.transform(
+            r["_z"], lambda e, p: ev(e, F.lit(0).cast("long"), j, p))))
+        b0 = F.sort_array(flat)
+
+        def from_b0(b: Column) -> Column:
+            n = F.size(b)
+            # 0: first of its tuple, 1: same tuple as the one before, another request, 2: same request
+            code = F.transform(indexes(n), lambda i: F.when(i == 0, F.lit(0))
+                               .when(~same(b[i], b[i - 1], fnames), F.lit(0))
+                               .when(b[i]["j"] != b[i - 1]["j"], F.lit(1)).otherwise(F.lit(2)))
+            return let(code, lambda c: let(F.array_contains(c, 2), lambda dup: let(
+                F.when(dup, occurrences(b, c)).otherwise(b),
+                lambda bx: let(
+                    F.when(dup, F.filter(indexes(n), lambda i: (i == 0) | ~same(bx[i], bx[i - 1], [*fnames, "occ"])))
+                    .otherwise(F.filter(indexes(n), lambda i: c[i] == 0)),
+                    lambda starts: stream_of(R, nreq, bx, starts)))))
+
+        return let(b0, from_b0)
+
+    def occurrences(b: Column, c: Column) -> Column:
+        """Each event's occurrence number among equal tuples of its snapshot; sorted again."""
+        n = F.size(b)
+        runs = F.filter(indexes(n), lambda i: c[i] <= 1)
+        return let(runs, lambda s: let(run_ids(s, n), lambda rid: F.sort_array(F.transform(
+            indexes(n), lambda i: ev(b[i], (i - s[rid[i]]).cast("long"), b[i]["j"], b[i]["p"], fnames)))))
+
+    def stream_of(R: Column, nreq: Column, b: Column, starts: Column) -> Column:
+        n = F.size(b)
+        # 2. the distinct events (the first of each identity: its first holder) in stream order
+        order = F.sort_array(F.transform(starts, lambda s, k: F.struct(
+            b[s][fnames[roles.index("time")]].alias("t"), b[s]["j"].alias("j"), b[s]["p"].alias("p"),
+            k.alias("k"))))
+        return let(order, lambda o: let(
+            F.transform(F.sort_array(F.transform(o, lambda x, i: F.struct(x["k"].alias("k"), i.alias("i")))),
+                        lambda y: y["i"]),
+            lambda place: let(run_ids(starts, n), lambda rid: slices(
+                R, nreq, b, rid, place,
+                F.transform(o, lambda x: F.struct(*[b[starts[x["k"]]][f].alias(f) for f in fnames]))))))
+
+    def slices(R: Column, nreq: Column, b: Column, rid: Column, place: Column, stream: Column) -> Column:
+        n = F.size(b)
+        idx = lambda i: place[rid[i]]  # noqa: E731  (an event's index in the stream)
+        # 3. each request's first event's index (null without events), in request order
+        heads = F.sort_array(F.concat(
+            F.transform(F.filter(indexes(n), lambda i: b[i]["p"] == 0),
+                        lambda i: F.struct(b[i]["j"].alias("j"), idx(i).cast("long").alias("c"))),
+            F.transform(F.filter(indexes(nreq), lambda j: F.size(R[j]["_z"]) == 0),
+                        lambda j: F.struct(j.alias("j"), F.lit(None).cast("long").alias("c")))))
+        return let(F.transform(heads, lambda h: h["c"]), lambda head: let(
+            # the requests with an event away from its first event's index plus its position
+            F.sort_array(F.array_distinct(F.transform(
+                F.filter(indexes(n), lambda i: idx(i) - b[i]["p"] != head[b[i]["j"]]), lambda i: b[i]["j"]))),
+            lambda bad: let(events_before_each(bad, indexes(nreq + 1)), lambda nbad: requests_of(
+                R, head, nbad, stream))))
+
+    def requests_of(R: Column, head: Column, nbad: Column, stream: Column) -> Column:
+        def q(r: Column, j: Column) -> Column:
+            m, sn = F.size(r["_z"]), r["_sn"]
+            is_slice = (m > 0) & (nbad[j + 1] == nbad[j])
+            kind = (F.when(sn < 0, F.lit(2)).when(sn == 0, F.lit(0)).when(is_slice, F.lit(0))
+                    .otherwise(F.lit(1))).cast("byte")
+            ok = (kind == 0) & (sn > 0)
+            b_ = F.when(ok, head[j])
+            e_ = F.when(ok, head[j] + m.cast("long"))
+            ovr = F.when(kind == 1, sn).otherwise(F.lit(0)).cast("int")
+            return F.struct(r["req_time"].alias("req_time"), r["req_id"].alias("req_id"), b_.alias("_b"),
+                            e_.alias("_e"), F.coalesce(e_ - b_, F.lit(0).cast("long")).alias("_len"),
+                            (r["num_imps"] + ovr).cast("long").alias("_c"), kind.alias("_snap_kind"),
+                            ovr.alias("_ovr_len"))
+
+        return F.struct(stream.alias("_S"), F.transform(R, q).alias("_q"))
+
+    x = per.select("user", SET, stitch(F.col("_R")).alias("_x"))
+    x = x.select("user", SET, F.col("_x._S").alias("_S"), F.col("_x._q").alias("_q"))
+    x = x.withColumn("_ch", chunk_ids(cfg, F.col("_q")))
+    # 4. where each chunk starts; its stored range: its requests' least begin to greatest end
+    n = F.size("_q")
+    starts = F.filter(indexes(n), lambda j: (j == 0) | (F.col("_ch")[j] != F.col("_ch")[j - 1]))
+
+    def bound(s: Column, k: Column, st: Column) -> Column:
+        nxt = F.when(k + 1 < F.size(st), st[k + 1]).otherwise(n)
+        blk = F.slice("_q", s + 1, nxt - s)
+        return F.struct(F.coalesce(F.array_min(blk["_b"]), F.lit(0).cast("long")).alias("lo"),
+                        F.coalesce(F.array_max(blk["_e"]), F.lit(0).cast("long")).alias("hi"))
+
+    x = keep(x.select("user", SET, "_S", "_q", "_ch",
+                      let(starts, lambda st: F.transform(st, lambda s, k: bound(s, k, st))).alias("_lh")))
+    # per request: its chunk, the chunk's range and its own slice and kind
+    r = x.select("user", SET, F.explode(F.arrays_zip("_q", "_ch")).alias("_z"), "_lh")
+    lh = F.col("_lh")[F.col("_z._ch")]
+    r = r.select("user", SET, *[F.col(f"_z._q.{c}").alias(c) for c in ("req_id", "req_time", "_b", "_e")],
+                 F.col("_z._ch").alias("chunk"), lh["lo"].alias("lo"), lh["hi"].alias("hi"),
+                 F.col("_z._q._snap_kind").alias("_snap_kind"), F.col("_z._q._ovr_len").alias("_ovr_len"))
+    # per chunk: its stored events, the stream's [lo, hi)
+    c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
+    c = c.where(F.col("_b.hi") > F.col("_b.lo"))
+    sl = F.slice("_S", F.col("_b.lo").cast("int") + 1, (F.col("_b.hi") - F.col("_b.lo")).cast("int"))
+    seq_map = {r_: f"f_{r_}" for r_ in roles}
+    seq = c.select("user", SET, "chunk", sl.alias("_s"))
+    seq = seq.select("user", SET, "chunk", *[F.col("_s")[f].alias(SEQ + name) for name, f in seq_map.items()])
     wide = reqs.join(r, on=["user", *part, "req_id", "req_time"], how="inner")
     for sf in layout.seq_fields:
         empty = F.array().cast(T.ArrayType(S.arrow_to_spark(sf.type)))
         wide = wide.withColumn(f"_ovr_{sf.name}",
                                F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
-    seq_map = {r_: f"f_{r_}" for r_ in roles}
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
-    return sample_rows(cfg, layout, chunk_seqs(routed, seq_map, part), wide, kind, ws, we, seq_map, part)
+    return sample_rows(cfg, layout, seq, wide, kind, ws, we, seq_map, part)
 
 
 def fat_events(cfg: Config, layout: Layout, reqs: DataFrame) -> DataFrame:

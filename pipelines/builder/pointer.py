@@ -3,10 +3,8 @@
 Lean input (:func:`lean_sets`): each user's events are collected once, in the
 stream's total order, and every sample set slices its stream from them; a
 request's seq_end comes from one sort of the set's events and requests merged.
-Fat rows (:mod:`fat_rows`) index their stitched stream with :func:`prefix`,
-which splits a user's rows by time bucket before any window, so a bot user with
-millions of rows spreads over many tasks instead of sinking one, and route the
-events to chunks by an equi-join on (user, index bucket), never a range join.
+Fat rows (:mod:`fat_rows`) stitch their stream the same way, from each (user,
+set)'s snapshots collected once and sorted together.
 
 Chunking (:func:`chunk_ids`) is a greedy fill. A chunk's cost is what its
 sample stores: the events from its slices' least begin to their greatest end,
@@ -23,7 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
@@ -31,9 +29,6 @@ from userwise.pipelines.builder.ingest import day_of
 from userwise.pipelines.config import Config
 from userwise.schemas import EV, IMP, OVR, REQ, SEQ, Layout
 from userwise.schemas.hashing import chain_column, sample_id_column
-
-UNB = Window.unboundedPreceding
-CUR = Window.currentRow
 
 _KEPT: list[DataFrame] = []
 
@@ -51,35 +46,6 @@ def keep(df: DataFrame) -> DataFrame:
 def release() -> None:
     while _KEPT:
         _KEPT.pop().unpersist()
-
-
-def prefix(df: DataFrame, part: list[str], bucket: str, order: list[Column | str],
-           sums: dict[str, str] | None = None, maxes: dict[str, str] | None = None) -> DataFrame:
-    """Inclusive running sums / maxes per ``part`` in (bucket, *order), skew-safe.
-
-    Rows are windowed per (part, bucket); per-bucket totals are prefixed over
-    the (few) buckets of a part and added back.
-    """
-    sums, maxes = sums or {}, maxes or {}
-    aggs = [F.sum(c).alias(f"_bs_{o}") for o, c in sums.items()]
-    aggs += [F.max(c).alias(f"_bm_{o}") for o, c in maxes.items()]
-    per_bucket = df.groupBy(*part, bucket).agg(*aggs)
-    wb = Window.partitionBy(*part).orderBy(bucket).rowsBetween(UNB, -1)
-    offs = per_bucket.select(
-        *part, bucket,
-        *[F.coalesce(F.sum(f"_bs_{o}").over(wb), F.lit(0)).alias(f"_os_{o}") for o in sums],
-        *[F.max(f"_bm_{o}").over(wb).alias(f"_om_{o}") for o in maxes],
-    )
-    w = Window.partitionBy(*part, bucket).orderBy(*order).rowsBetween(UNB, CUR)
-    out = df.join(offs, on=[*part, bucket], how="inner")
-    for o, c in sums.items():
-        out = out.withColumn(o, F.col(f"_os_{o}") + F.sum(c).over(w))
-    for o, c in maxes.items():
-        run = F.max(c).over(w)
-        out = out.withColumn(o, F.when(F.col(f"_om_{o}").isNull(), run)
-                             .when(run.isNull(), F.col(f"_om_{o}"))
-                             .otherwise(F.greatest(F.col(f"_om_{o}"), run)))
-    return out.drop(*[f"_os_{o}" for o in sums], *[f"_om_{o}" for o in maxes])
 
 
 def bucket_of(units: Column, cfg: Config) -> Column:
@@ -145,17 +111,6 @@ def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> D
                     F.col("_z.chunk").cast("int").alias("chunk"))
 
 
-def route_events(cfg: Config, events_idx: DataFrame, ranges: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
-    """Events whose index falls in a chunk's [lo, hi): equi-join on (user, *part, index bucket)."""
-    G = max(1, cfg.max_seq_len)
-    cover = ranges.where(F.col("hi") > F.col("lo")).select(
-        "user", *part, "chunk", "lo", "hi",
-        F.explode(F.sequence(F.floor(F.col("lo") / G), F.floor((F.col("hi") - 1) / G))).alias("_ib"))
-    ev = events_idx.withColumn("_ib", F.floor(F.col("idx") / G))
-    j = ev.join(cover, on=["user", *part, "_ib"], how="inner")
-    return j.where((F.col("idx") >= F.col("lo")) & (F.col("idx") < F.col("hi"))).drop("_ib")
-
-
 def _value(v) -> Column:
     return v if isinstance(v, Column) else F.lit(v)
 
@@ -163,14 +118,6 @@ def _value(v) -> Column:
 def _field(name: str):
     """A one-argument lambda for F.transform (a second argument would be the index)."""
     return lambda x: x[name]
-
-
-def chunk_seqs(events_in_chunks: DataFrame, seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
-    """Routed events (user, *part, chunk, idx, event columns) -> one row per chunk with its
-    seq arrays, in index order. ``seq_map``: seq field name -> event column."""
-    ev_struct = F.struct(F.col("idx"), *[F.col(c).alias(f"s_{n}") for n, c in seq_map.items()])
-    seq = events_in_chunks.groupBy("user", *part, "chunk").agg(F.sort_array(F.collect_list(ev_struct)).alias("_ev"))
-    return seq.select("user", *part, "chunk", *[F.col(f"_ev.s_{n}").alias(SEQ + n) for n in seq_map])
 
 
 def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
@@ -266,6 +213,25 @@ def by_set(values: list):
     for i, v in enumerate(values):
         c = F.when(F.col(SET) == i, F.lit(v)).otherwise(c)
     return c
+
+
+def let(value: Column, body) -> Column:
+    """``body(v)`` with ``value`` evaluated once: a one-element transform binds it. Spark
+    inlines a column used once into its consumer, also into a lambda that runs per element;
+    a bound value is computed once per row wherever the body reads it."""
+    return F.transform(F.array(value), body)[0]
+
+
+def indexes(n: Column) -> Column:
+    """0, 1, ..., n - 1 (empty for n = 0, where ``sequence(0, -1)`` would count down)."""
+    return F.slice(F.sequence(F.lit(0), n), 1, n)
+
+
+def run_ids(starts: Column, n: Column) -> Column:
+    """Per position 0..n-1, the run it falls in, runs starting at ``starts`` (ascending, the
+    first 0): run k repeated from its start up to the next one (or n)."""
+    nxt = lambda k: F.when(k + 1 < F.size(starts), starts[k + 1]).otherwise(n)  # noqa: E731
+    return F.flatten(F.transform(starts, lambda s, k: F.array_repeat(k, nxt(k) - s)))
 
 
 def events_before_each(times: Column, marks: Column) -> Column:

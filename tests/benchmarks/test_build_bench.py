@@ -60,36 +60,53 @@ def test_build_bench_runs_end_to_end_on_a_tiny_log(tmp_path):
     assert "VERDICT sparse calendar" in res["sparse"]["verdicts"][0]
 
 
-@pytest.mark.spark
-def test_the_tables_least_plan_stores_what_the_build_stores(spark, tmp_path):
-    """The tables least plan bounds the build from below only if it writes what the build
-    writes: a samples row for every (user, sample set) the build has, none more, each with a
-    stream holding every event each of the build's chunks of that set stores (the build keeps
-    no more: only what its requests see), and the same history."""
-    import collections
-    import datetime as dt
+def _bench():
     import importlib.util
-    import io
 
-    from deltalake import DeltaTable
+    spec = importlib.util.spec_from_file_location("build_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.fixture(scope="module")
+def small_build(spark, tmp_path_factory):
+    """A small lean log with its action log and a bot user, built once (M = days - 1, N = 1,
+    a cap that splits heavy users): the references are compared with this build."""
+    import datetime as dt
+    import io
+    import types
 
     from tests.support.common import config
     from userwise.pipelines import config as C
     from userwise.pipelines.builder import build as B
     from userwise.pipelines.tools import synth
 
-    spec = importlib.util.spec_from_file_location("build_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    tmp = tmp_path_factory.mktemp("bench")
     L, days, start = 10, 3, dt.date(2026, 1, 1)
-    synth.synth(str(tmp_path / "log"), start=start.isoformat(), days=days, users=8, max_seq_len=L,
+    synth.synth(str(tmp / "log"), start=start.isoformat(), days=days, users=8, max_seq_len=L,
                 kinds=("lean", "actions"), params=synth.SynthParams(bot_factor=20), log=io.StringIO())
     cfg = C.parse(config(L, max_sample_cost=60, actions=True, history_length=15))
-    log = {"input": str(tmp_path / "log" / "lean"), "actions": str(tmp_path / "log" / "actions")}
+    log = {"input": str(tmp / "log" / "lean"), "actions": str(tmp / "log" / "actions")}
     as_of = start + dt.timedelta(days=days)
-    boundary = as_of - dt.timedelta(days=days - 1)
-    bench.tables_run(spark, cfg, log, str(tmp_path / "tables"), as_of.isoformat(), days - 1, 1)
-    B.build(spark, cfg, log["input"], str(tmp_path / "build"), as_of.isoformat(), days - 1, 1, log["actions"])
+    rep = B.build(spark, cfg, log["input"], str(tmp / "build"), as_of.isoformat(), days - 1, 1, log["actions"])
+    return types.SimpleNamespace(bench=_bench(), cfg=cfg, log=log, tmp=tmp, days=days, as_of=as_of,
+                                 boundary=as_of - dt.timedelta(days=days - 1), report=rep)
+
+
+@pytest.mark.spark
+def test_the_tables_least_plan_stores_what_the_build_stores(spark, small_build):
+    """The tables least plan bounds the build from below only if it writes what the build
+    writes: a samples row for every (user, sample set) the build has, none more, each with a
+    stream holding every event each of the build's chunks of that set stores (the build keeps
+    no more: only what its requests see), and the same history."""
+    import collections
+
+    from deltalake import DeltaTable
+
+    b = small_build
+    tmp_path, days, boundary = b.tmp, b.days, b.boundary
+    b.bench.tables_run(spark, b.cfg, b.log, str(tmp_path / "tables"), b.as_of.isoformat(), days - 1, 1)
 
     def rows(table: str, cols: list[str]) -> list[dict]:
         return DeltaTable(str(table)).to_pyarrow_table(columns=cols).to_pylist()
@@ -107,3 +124,29 @@ def test_the_tables_least_plan_stores_what_the_build_stores(spark, tmp_path):
                                                                              ["user", "events"])}
     want = {r["user"]: sorted(r["ev_ts"]) for r in rows(tmp_path / "build" / "history", ["user", "ev_ts"])}
     assert {u: h for u, h in hist.items() if h} == want
+
+
+@pytest.mark.spark
+def test_the_pointwise_job_gives_every_impression_the_history_expand_gives(spark, small_build):
+    """The build is compared with the point-wise job it replaces only if both produce the same
+    thing: the job's rows are the log's impressions, every one once, each with every input
+    column and the history (every sequence field) that ``userwise expand`` gives it from the
+    build's samples."""
+    from userwise.pipelines.builder import expand
+    from userwise.pipelines.records import build_record
+
+    b = small_build
+    assert b.report["reconciled"] and not sum(b.report["quarantined"].values())  # a clean log: nothing rejected
+    b.bench.pointwise_run(spark, b.cfg, b.log, str(b.tmp / "pointwise"))
+    cfg, layout, _ = build_record.load(str(b.tmp / "build"))
+    exp = expand.expand_frame(cfg, layout, expand.read_samples(spark, str(b.tmp / "build")))
+    pw = spark.read.parquet(str(b.tmp / "pointwise"))
+    assert sorted(pw.columns) == sorted(exp.columns)
+    pw = pw.select(*exp.columns)
+    n = spark.read.parquet(b.log["input"]).count()
+    assert exp.count() == pw.count() == n > 0
+    assert exp.exceptAll(pw).count() == 0 and pw.exceptAll(exp).count() == 0
+    seq = [c for c in exp.columns if c.startswith("seq_")]
+    assert {"seq_ts", "seq_item", "seq_action"} <= set(seq)
+    lens = [r[0] for r in pw.selectExpr(f"size({seq[0]})").collect()]
+    assert 0 in lens and max(lens) == cfg.max_seq_len  # empty histories and full ones, both compared
