@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from userwise import schemas as S
 from userwise.pipelines.builder.pointer import (
@@ -86,25 +85,27 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
        sorted again with it (the identity is the full tuple plus that number);
     2. the distinct events, sorted by (time, j, p of their first holder), are the stream;
     3. each snapshot event's index in it is its identity's place; a snapshot is a slice when
-       every event sits at its first event's index plus its position, else an override;
+       all its events share one index less position (then that is its begin), else an
+       override: the distinct (request, index less position) pairs, as longs, tell which;
     4. the chunks from the same greedy fold as lean input (:func:`pointer.chunk_ids`), a
        chunk's stored range from its requests' least begin to their greatest end.
 
-    Only keys, sizes and the stream leave these rows; the requests' wide columns join back
-    once, for the samples' groupBy by chunk. What a heavy user costs: per set, its
-    snapshots' events are one row, sorted in one task, as the chunk fold needs anyway."""
+    Only keys, sizes, the stream and the overrides' snapshots leave these rows; the requests'
+    wide columns join back once, without their snapshots, for the samples' groupBy by chunk.
+    What a heavy user costs: per set, its snapshots' events are one row, sorted in one task,
+    as the chunk fold needs anyway."""
     roles = _roles(layout)
     part = (SET,)
     fnames = [f"f_{r}" for r in roles]
-    first = F.col(SNAP + roles[0])
-    z = F.arrays_zip(*[F.col(SNAP + r).alias(r) for r in roles])
-    z_type = reqs.select(z.alias("z")).schema["z"].dataType
-    nar = reqs.select(
-        "user", SET, "req_time", "req_id", "num_imps",
-        F.when(first.isNull(), F.lit(-1)).otherwise(F.size(first)).alias("_sn"),
-        F.coalesce(F.when(first.isNotNull(), z), F.array().cast(z_type)).alias("_z"))
-    per = nar.groupBy("user", SET).agg(
-        F.sort_array(F.collect_list(F.struct("req_time", "req_id", "num_imps", "_sn", "_z"))).alias("_R"))
+    snaps = [SNAP + sf.name for sf in layout.seq_fields]  # the snapshot's lists (the roles')
+    z_type = reqs.select(F.arrays_zip(*[F.col(SNAP + r).alias(r) for r in roles]).alias("z")).schema["z"].dataType
+    per = reqs.groupBy("user", SET).agg(F.sort_array(F.collect_list(F.struct(
+        "req_time", "req_id", "num_imps", *snaps))).alias("_R"))
+
+    def zipped(r: Column) -> Column:
+        """A request's snapshot events (its lists zipped; none for a null snapshot)."""
+        z = F.arrays_zip(*[r[SNAP + x].alias(x) for x in roles])
+        return F.coalesce(F.when(r[SNAP + roles[0]].isNotNull(), z), F.array().cast(z_type))
 
     def same(a: Column, b: Column, names: list[str]) -> Column:
         """Two events equal in ``names`` (nulls equal, as a groupBy compares them)."""
@@ -117,7 +118,14 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
         """An event: its fields (``names`` of ``e``), occurrence number, request and position."""
         return F.struct(*[e[r].alias(f) for r, f in zip(names, fnames)], occ.alias("occ"), j.alias("j"), p.alias("p"))
 
-    def stitch(R: Column) -> Column:
+    def stitch(R0: Column) -> Column:
+        # each request's events once (_z) and its snapshot's size (_sn, -1 for a null one)
+        return let(F.transform(R0, lambda r: F.struct(
+            r["req_time"].alias("req_time"), r["req_id"].alias("req_id"), r["num_imps"].alias("num_imps"),
+            F.when(r[SNAP + roles[0]].isNull(), F.lit(-1)).otherwise(F.size(r[SNAP + roles[0]])).alias("_sn"),
+            zipped(r).alias("_z"))), lambda R: stitched(R0, R))
+
+    def stitched(R0: Column, R: Column) -> Column:
         nreq = F.size(R)
         # 1. every snapshot event: its fields, then its request's place j and its position p
         flat = F.flatten(F.transform(R, lambda r, j: F.transform(
@@ -127,15 +135,16 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
         def from_b0(b: Column) -> Column:
             n = F.size(b)
             # 0: first of its tuple, 1: same tuple as the one before, another request, 2: same request
-            code = F.transform(indexes(n), lambda i: F.when(i == 0, F.lit(0))
-                               .when(~same(b[i], b[i - 1], fnames), F.lit(0))
-                               .when(b[i]["j"] != b[i - 1]["j"], F.lit(1)).otherwise(F.lit(2)))
+            rest = F.greatest(n - 1, F.lit(0))
+            code = F.concat(F.slice(F.array(F.lit(0)), 1, F.least(n, F.lit(1))), F.zip_with(
+                F.slice(b, 2, rest), F.slice(b, 1, rest), lambda x, y: F.when(~same(x, y, fnames), F.lit(0))
+                .when(x["j"] != y["j"], F.lit(1)).otherwise(F.lit(2))))
             return let(code, lambda c: let(F.array_contains(c, 2), lambda dup: let(
                 F.when(dup, occurrences(b, c)).otherwise(b),
                 lambda bx: let(
                     F.when(dup, F.filter(indexes(n), lambda i: (i == 0) | ~same(bx[i], bx[i - 1], [*fnames, "occ"])))
                     .otherwise(F.filter(indexes(n), lambda i: c[i] == 0)),
-                    lambda starts: stream_of(R, nreq, bx, starts)))))
+                    lambda starts: stream_of(R0, R, nreq, bx, starts)))))
 
         return let(b0, from_b0)
 
@@ -146,7 +155,7 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
         return let(runs, lambda s: let(run_ids(s, n), lambda rid: F.sort_array(F.transform(
             indexes(n), lambda i: ev(b[i], (i - s[rid[i]]).cast("long"), b[i]["j"], b[i]["p"], fnames)))))
 
-    def stream_of(R: Column, nreq: Column, b: Column, starts: Column) -> Column:
+    def stream_of(R0: Column, R: Column, nreq: Column, b: Column, starts: Column) -> Column:
         n = F.size(b)
         # 2. the distinct events (the first of each identity: its first holder) in stream order
         order = F.sort_array(F.transform(starts, lambda s, k: F.struct(
@@ -156,42 +165,43 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
             F.transform(F.sort_array(F.transform(o, lambda x, i: F.struct(x["k"].alias("k"), i.alias("i")))),
                         lambda y: y["i"]),
             lambda place: let(run_ids(starts, n), lambda rid: slices(
-                R, nreq, b, rid, place,
+                R0, R, nreq, b, rid, place,
                 F.transform(o, lambda x: F.struct(*[b[starts[x["k"]]][f].alias(f) for f in fnames]))))))
 
-    def slices(R: Column, nreq: Column, b: Column, rid: Column, place: Column, stream: Column) -> Column:
-        n = F.size(b)
-        idx = lambda i: place[rid[i]]  # noqa: E731  (an event's index in the stream)
-        # 3. each request's first event's index (null without events), in request order
-        heads = F.sort_array(F.concat(
-            F.transform(F.filter(indexes(n), lambda i: b[i]["p"] == 0),
-                        lambda i: F.struct(b[i]["j"].alias("j"), idx(i).cast("long").alias("c"))),
-            F.transform(F.filter(indexes(nreq), lambda j: F.size(R[j]["_z"]) == 0),
-                        lambda j: F.struct(j.alias("j"), F.lit(None).cast("long").alias("c")))))
-        return let(F.transform(heads, lambda h: h["c"]), lambda head: let(
-            # the requests with an event away from its first event's index plus its position
-            F.sort_array(F.array_distinct(F.transform(
-                F.filter(indexes(n), lambda i: idx(i) - b[i]["p"] != head[b[i]["j"]]), lambda i: b[i]["j"]))),
-            lambda bad: let(events_before_each(bad, indexes(nreq + 1)), lambda nbad: requests_of(
-                R, head, nbad, stream))))
+    def slices(R0: Column, R: Column, nreq: Column, b: Column, rid: Column, place: Column,
+               stream: Column) -> Column:
+        # 3. per event, its request j and d = its index in the stream less its position, as one
+        # long; a request is a slice when all its events share one d (then d is its begin)
+        keys = F.sort_array(F.array_distinct(F.zip_with(b, rid, lambda e, r: (
+            e["j"].cast("long") * F.lit(1 << 32) + (place[r] - e["p"]).cast("long") + F.lit(1 << 31)))))
+        return let(keys, lambda k: let(
+            events_before_each(F.transform(k, lambda x: F.shiftright(x, 32)), indexes(nreq + 1)),
+            lambda first: requests_of(R0, R, k, first, stream)))
 
-    def requests_of(R: Column, head: Column, nbad: Column, stream: Column) -> Column:
+    def requests_of(R0: Column, R: Column, k: Column, first: Column, stream: Column) -> Column:
+        """``k``: the distinct (j, d) keys, sorted; ``first``: per j, where its keys start."""
         def q(r: Column, j: Column) -> Column:
             m, sn = F.size(r["_z"]), r["_sn"]
-            is_slice = (m > 0) & (nbad[j + 1] == nbad[j])
+            is_slice = (m > 0) & (first[j + 1] - first[j] == 1)
+            # its begin, the d of its one key (read only for a slice: the key exists)
+            begin = k[first[j]] - j.cast("long") * F.lit(1 << 32) - F.lit(1 << 31)
             kind = (F.when(sn < 0, F.lit(2)).when(sn == 0, F.lit(0)).when(is_slice, F.lit(0))
                     .otherwise(F.lit(1))).cast("byte")
             ok = (kind == 0) & (sn > 0)
-            b_ = F.when(ok, head[j])
-            e_ = F.when(ok, head[j] + m.cast("long"))
+            b_ = F.when(ok, begin)
+            e_ = F.when(ok, begin + m.cast("long"))
             ovr = F.when(kind == 1, sn).otherwise(F.lit(0)).cast("int")
             return F.struct(r["req_time"].alias("req_time"), r["req_id"].alias("req_id"), b_.alias("_b"),
                             e_.alias("_e"), F.coalesce(e_ - b_, F.lit(0).cast("long")).alias("_len"),
                             (r["num_imps"] + ovr).cast("long").alias("_c"), kind.alias("_snap_kind"),
-                            ovr.alias("_ovr_len"))
+                            ovr.alias("_ovr_len"),
+                            # an override keeps its snapshot's lists as given; the rest keep none
+                            *[F.when(kind == 1, R0[j][c]).otherwise(F.array().cast(t)).alias(f"_ovr_{c[len(SNAP):]}")
+                              for c, t in ovr_types.items()])
 
         return F.struct(stream.alias("_S"), F.transform(R, q).alias("_q"))
 
+    ovr_types = {c: reqs.schema[c].dataType for c in snaps}
     x = per.select("user", SET, stitch(F.col("_R")).alias("_x"))
     x = x.select("user", SET, F.col("_x._S").alias("_S"), F.col("_x._q").alias("_q"))
     x = x.withColumn("_ch", chunk_ids(cfg, F.col("_q")))
@@ -212,7 +222,8 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
     lh = F.col("_lh")[F.col("_z._ch")]
     r = r.select("user", SET, *[F.col(f"_z._q.{c}").alias(c) for c in ("req_id", "req_time", "_b", "_e")],
                  F.col("_z._ch").alias("chunk"), lh["lo"].alias("lo"), lh["hi"].alias("hi"),
-                 F.col("_z._q._snap_kind").alias("_snap_kind"), F.col("_z._q._ovr_len").alias("_ovr_len"))
+                 F.col("_z._q._snap_kind").alias("_snap_kind"), F.col("_z._q._ovr_len").alias("_ovr_len"),
+                 *[F.col(f"_z._q._ovr_{sf.name}").alias(f"_ovr_{sf.name}") for sf in layout.seq_fields])
     # per chunk: its stored events, the stream's [lo, hi)
     c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
     c = c.where(F.col("_b.hi") > F.col("_b.lo"))
@@ -220,11 +231,9 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
     seq_map = {r_: f"f_{r_}" for r_ in roles}
     seq = c.select("user", SET, "chunk", sl.alias("_s"))
     seq = seq.select("user", SET, "chunk", *[F.col("_s")[f].alias(SEQ + name) for name, f in seq_map.items()])
-    wide = reqs.join(r, on=["user", *part, "req_id", "req_time"], how="inner")
-    for sf in layout.seq_fields:
-        empty = F.array().cast(T.ArrayType(S.arrow_to_spark(sf.type)))
-        wide = wide.withColumn(f"_ovr_{sf.name}",
-                               F.when(F.col("_snap_kind") == 1, F.col(SNAP + sf.name)).otherwise(empty))
+    # the snapshots came with the narrow rows (an override's back with its request): the wide
+    # rows join back without them
+    wide = reqs.drop(*snaps).join(r, on=["user", *part, "req_id", "req_time"], how="inner")
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
     return sample_rows(cfg, layout, seq, wide, kind, ws, we, seq_map, part)
 
