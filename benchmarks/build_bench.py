@@ -1023,6 +1023,8 @@ def plot(res: dict, path: str) -> None:
         if all("tables_s" in r for r in s["sizes"]):
             a1.plot(xs, [r["tables_s"] for r in s["sizes"]], "v-.", color=c, alpha=0.8,
                     label=f"{s['label']} tables least plan ({s['tables_us_per_imp']:.1f} µs/imp)")
+    lo, hi = a1.get_ylim()
+    a1.set_ylim(0, hi * 1.6)  # room above the lines for the legend
     a1.set_xlabel("impressions (millions)")
     a1.set_ylabel("seconds")
     a1.set_title(f"per impression: build vs floor, {res.get('cores', '?')} cores")
