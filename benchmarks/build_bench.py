@@ -918,8 +918,16 @@ def skew_verdicts(pairs: list[tuple[dict, dict]], tol: float) -> list[str]:
             f"build slope with the bot ({w['sizes'][-1]['bot_impressions'] / w['sizes'][-1]['impressions']:.1%} of "
             f"the log) {w['build_us_per_imp']:.2f} µs per impression, without {wo['build_us_per_imp']:.2f}: "
             f"{r:.2f}x (target within {tol:.0%}); slope vs floor {w['slope_ratio']:.2f}x with, "
-            f"{wo['slope_ratio']:.2f}x without"))
+            f"{wo['slope_ratio']:.2f}x without; per impression at the largest size {_per_imp_ratio(w, wo):.2f}x"))
     return out
+
+
+def _per_imp_ratio(w: dict, wo: dict) -> float:
+    """The build's time per impression with the bot over without, at the largest size: the cost
+    the bot adds where the fixed costs weigh least (a slope fitted to two sizes carries the noise
+    of both into one difference)."""
+    a, b = w["sizes"][-1], wo["sizes"][-1]
+    return (a["build_s"] / a["impressions"]) / (b["build_s"] / b["impressions"])
 
 
 def sparse_section(spark, work: str, args) -> dict:

@@ -150,3 +150,19 @@ def test_the_pointwise_job_gives_every_impression_the_history_expand_gives(spark
     assert {"seq_ts", "seq_item", "seq_action"} <= set(seq)
     lens = [r[0] for r in pw.selectExpr(f"size({seq[0]})").collect()]
     assert 0 in lens and max(lens) == cfg.max_seq_len  # empty histories and full ones, both compared
+
+
+def test_the_skew_verdict_judges_the_slope_and_prints_the_cost_per_impression_at_the_largest_size():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import build_bench
+
+    def series(build_s: list[float], bot: int) -> dict:
+        sizes = [{"impressions": n, "bot_impressions": bot, "build_s": b} for n, b in zip((2_000_000, 4_000_000), build_s)]
+        slope = (build_s[1] - build_s[0]) / 2_000_000 * 1e6
+        return {"kind": "lean", "sizes": sizes, "build_us_per_imp": slope, "floor_us_per_imp": 1.0, "slope_ratio": slope}
+
+    # the slope of two sizes doubles with the bot (20 s to 40 s of difference), the largest size costs 1.25x
+    (v,) = build_bench.skew_verdicts([(series([60.0, 100.0], 1000), series([60.0, 80.0], 0))], 0.2)
+    assert "NOT met" in v and "2.00x" in v and "at the largest size 1.25x" in v, v
+    (v,) = build_bench.skew_verdicts([(series([60.0, 82.0], 1000), series([60.0, 80.0], 0))], 0.2)
+    assert "NOT met" not in v and "1.10x" in v and "at the largest size 1.02x" in v, v
