@@ -193,8 +193,12 @@ def test_the_old_key_names_still_work_with_a_warning(tmp_path):
     c = common()
     p = tmp_path / "uw.yaml"
     p.write_text("output: /old/D\npretrain_days: 5\n")
-    with pytest.warns(FutureWarning, match="'output' is an old name of 'build_dir'"):
+    with pytest.warns(FutureWarning) as caught:  # one warning per old key, each naming its new one
         f = c.load_file(p)
+    said = sorted(str(w.message).split(": ", 1)[1] for w in caught)
+    assert said == ["'output' is an old name of 'build_dir'; use 'build_dir' (the old name goes in the next release)",
+                    "'pretrain_days' is an old name of 'incremental_days'; use 'incremental_days' "
+                    "(the old name goes in the next release)"], said
     assert f["build_dir"] == "/old/D" and f["incremental_days"] == 5 and "output" not in f
     with pytest.warns(FutureWarning, match="'pretrain_days' is an old name of 'incremental_days'"):
         got = c.resolve(f, {}, {"pretrain_days": 3}, dt.date(2026, 1, 3))
