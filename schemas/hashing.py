@@ -56,6 +56,7 @@ import numpy as np
 
 SPARK_SEED = 42
 CHAIN_SEED = 42  # h_{-1}: the rolling hash of no events
+CHAIN_COLUMNS = ("chain_block", "chain_checkpoints", "chain_end")  # a sample's chain (the samples schema)
 _PACK = {"int": "<i", "long": "<q"}
 
 

@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 import torch
 
 from userwise.pipelines.errors import ShardError, UserwiseError
-from userwise.pipelines.loader.jagged import np_offsets, np_positions, np_segment_ids
+from userwise.pipelines.loader.jagged import np_offsets, np_segment_ids
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.serve.chain import Chain
 from userwise.pipelines.serve.incremental import Candidates, Events, empty_state, extend, full_scores, score
@@ -63,7 +63,7 @@ from userwise.pipelines.serve.routing import nodes_of
 from userwise.pipelines.serve.store import TIERS, KVStore
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.train import Fields, ReferenceRanker, Spans, UserBatch
-from userwise.schemas.hashing import CHAIN_SEED, chain_checkpoints, event_hashes, rolling_hashes
+from userwise.schemas.hashing import CHAIN_COLUMNS, chain_checkpoints, event_hashes, rolling_hashes
 
 __all__ = ["Trace", "TraceRequest", "read_trace", "replay", "TOLERANCE", "DTYPES"]
 
@@ -199,43 +199,29 @@ def _ids(values: np.ndarray) -> np.ndarray:
     return values.astype(str) if values.dtype == object else values
 
 
-# The chain the build emits with every sample (schemas' samples table): what the data says each
-# user's stored history is; the replay checks its own chains against it.
-CHAIN_COLUMNS = ("chain_block", "chain_checkpoints", "chain_end")
-
-
-def check_build_chains(t: pa.Table, hashes: np.ndarray, seq_offsets: np.ndarray, *, where: str, sample_ids,
-                       users) -> int:
+def _check_build_chains(t: pa.Table, hashes: np.ndarray, seq_offsets: np.ndarray, *, where: str, sample_ids,
+                        users) -> None:
     """Every sample's chain as the build wrote it (``chain_checkpoints``, ``chain_end`` at
     ``chain_block``) equals the chain of its stored events as serving computes it (the rolling
     ``hashes`` cut by ``seq_offsets``); else :class:`ShardError` naming the first sample that
-    differs (a serving node would never find its cache valid, or would trust another history).
-    Returns the number of samples checked.
-
-    Example::
-
-        check_build_chains(table, hashes, offsets, where="S/manifest.json", sample_ids=ids, users=users)
-    """
-    n = np.diff(seq_offsets)
-    block = t.column("chain_block").to_numpy().astype(np.int64)
-    end = t.column("chain_end").to_numpy().astype(np.int64)
+    differs (a serving node would never find its cache valid, or would trust another history)."""
+    block = t.column("chain_block").to_pylist()
+    end = t.column("chain_end").to_pylist()
     cps, n_cps = _flat(t, "chain_checkpoints")
-    last = np.where(n > 0, seq_offsets[1:] - 1, 0)
-    want_end = np.where(n > 0, hashes[last] if len(hashes) else 0, CHAIN_SEED)
-    want_n = np.where(block > 0, n // np.maximum(block, 1), -1)
-    starts = np.repeat(seq_offsets[:-1], np.maximum(want_n, 0))
-    k = np_positions(np_offsets(np.maximum(want_n, 0)))[1] if len(want_n) else np.zeros(0, np.int64)
-    idx = starts + (k + 1) * np.repeat(block, np.maximum(want_n, 0)) - 1
-    bad = (end != want_end) | (n_cps != want_n)
-    if not bad.any() and len(idx):
-        diff = (cps != hashes[idx]).astype(np.int64)
-        bad |= np.bincount(np_segment_ids(np_offsets(n_cps)), weights=diff, minlength=len(n)) > 0
-    if bad.any():
-        s = int(np.flatnonzero(bad)[0])
+    cps_off = np_offsets(n_cps)
+    bad = []
+    for s, (a, b) in enumerate(zip(seq_offsets[:-1].tolist(), seq_offsets[1:].tolist())):
+        if block[s] is None or block[s] < 1:  # not a block size: no chain can match it
+            bad.append(s)
+            continue
+        want_cps, want_end = chain_checkpoints(hashes[a:b], b - a, block[s])
+        if want_end != end[s] or not np.array_equal(want_cps, cps[cps_off[s]:cps_off[s + 1]]):
+            bad.append(s)
+    if bad:
+        s = bad[0]
         raise ShardError(f"{where}: sample {sample_ids[s]} (user {users[s]}): the chain the build wrote differs from "
-                         f"the chain of its stored events ({int(bad.sum())} of {len(bad)} samples): the events were "
+                         f"the chain of its stored events ({len(bad)} of {len(block)} samples): the events were "
                          "changed after the build, or another userwise version wrote them; rebuild and pre-shard")
-    return len(n)
 
 
 def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None = None,
@@ -341,7 +327,7 @@ def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len
     fields_np = np.stack([item, *side, action], 1) if len(item) else np.zeros((0, 2 + len(side)), np.int64)
     hashes = rolling_hashes(event_hashes(fields_np), so) if len(item) else np.zeros(0, np.int64)
     if all(c in t.column_names for c in CHAIN_COLUMNS):
-        check_build_chains(t, hashes, so, where=where, sample_ids=sample_ids, users=users)
+        _check_build_chains(t, hashes, so, where=where, sample_ids=sample_ids, users=users)
     node_of_sample = nodes_of(np.asarray(users, dtype=np.int64) if users and all(type(u) is int for u in users)
                               else users, serving_nodes) if S else np.zeros(0, np.int64)
     ids = _ids(rid)

@@ -43,7 +43,7 @@ from userwise.pipelines import config
 from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools import synth
-from userwise.schemas.hashing import chain_checkpoints, event_hashes, rolling_hashes, sample_id
+from userwise.schemas.hashing import CHAIN_COLUMNS, chain_checkpoints, event_hashes, rolling_hashes, sample_id
 
 MS_DAY = 86_400_000
 EPOCH = dt.date(1970, 1, 1)
@@ -51,7 +51,6 @@ BOT = 999_999
 HEAVY = 10_000  # heavy users' ids start here
 BUILD_START = dt.date(2026, 1, 2)  # build_samples: the first daily window ends here
 CHAIN_BLOCK = config.TOP_KEYS["chain_block"]  # the event chain's block: the config's default
-CHAIN_COLUMNS = ("chain_block", "chain_checkpoints", "chain_end")
 
 # labels past the synthetic log's two (click, like): 0/1 impression columns of these names
 EXTRA_LABELS = ("share", "comment", "follow")
