@@ -25,7 +25,9 @@ from userwise import schemas as S
 from userwise.pipelines.builder.pointer import (
     SET,
     by_set,
+    chunk_events,
     chunk_ids,
+    chunk_starts,
     events_before_each,
     indexes,
     keep,
@@ -207,7 +209,7 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
     x = x.withColumn("_ch", chunk_ids(cfg, F.col("_q")))
     # 4. where each chunk starts; its stored range: its requests' least begin to greatest end
     n = F.size("_q")
-    starts = F.filter(indexes(n), lambda j: (j == 0) | (F.col("_ch")[j] != F.col("_ch")[j - 1]))
+    starts = chunk_starts(F.col("_ch"), n)
 
     def bound(s: Column, k: Column, st: Column) -> Column:
         nxt = F.when(k + 1 < F.size(st), st[k + 1]).otherwise(n)
@@ -225,12 +227,8 @@ def fat_sets(cfg: Config, layout: Layout, reqs: DataFrame, sets: list[tuple]) ->
                  F.col("_z._q._snap_kind").alias("_snap_kind"), F.col("_z._q._ovr_len").alias("_ovr_len"),
                  *[F.col(f"_z._q._ovr_{sf.name}").alias(f"_ovr_{sf.name}") for sf in layout.seq_fields])
     # per chunk: its stored events, the stream's [lo, hi)
-    c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
-    c = c.where(F.col("_b.hi") > F.col("_b.lo"))
-    sl = F.slice("_S", F.col("_b.lo").cast("int") + 1, (F.col("_b.hi") - F.col("_b.lo")).cast("int"))
     seq_map = {r_: f"f_{r_}" for r_ in roles}
-    seq = c.select("user", SET, "chunk", sl.alias("_s"))
-    seq = seq.select("user", SET, "chunk", *[F.col("_s")[f].alias(SEQ + name) for name, f in seq_map.items()])
+    seq = chunk_events(x).select("user", SET, "chunk", *[F.col("_s")[f].alias(SEQ + name) for name, f in seq_map.items()])
     # the snapshots came with the narrow rows (an override's back with its request): the wide
     # rows join back without them
     wide = reqs.drop(*snaps).join(r, on=["user", *part, "req_id", "req_time"], how="inner")

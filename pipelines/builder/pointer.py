@@ -85,30 +85,7 @@ def chunk_ids(cfg: Config, arr: Column) -> Column:
     zero = F.struct(F.lit(0).alias("n"), F.lit(None).cast("long").alias("lo"), F.lit(None).cast("long").alias("hi"),
                     F.lit(0).cast("long").alias("c"), F.array().cast("array<int>").alias("starts"))
 
-    def ids(acc: Column) -> Column:
-        """Chunk k repeated over its requests: starts[k] up to the next start (or the end)."""
-        starts = F.concat(F.array(F.lit(0)), acc["starts"])
-        return F.flatten(F.transform(starts, lambda s, k: F.array_repeat(
-            k, F.when(k + 1 < F.size(starts), F.element_at(starts, k + 2)).otherwise(acc["n"]) - s)))
-
-    return F.aggregate(arr, zero, step, ids)
-
-
-def assign_chunks(cfg: Config, reqs: DataFrame, part: tuple[str, ...] = ()) -> DataFrame:
-    """Add ``chunk`` to requests with columns user, req_time, req_id, _b, _e (slice; ignored
-    where _len is 0), _c (own cost: impressions, plus override events), _len, keeping every
-    other column. Chunks are numbered 0.. per (user, *part) by :func:`chunk_ids`: ``part``
-    names the sample set where one frame holds several. One fold per (user, *part) over its
-    sorted narrow rows; the rows explode back with their chunk ids.
-    """
-    keys = ["user", *part]
-    rest = [c for c in reqs.columns if c not in (*keys, "req_time", "req_id")]
-    per = reqs.groupBy(*keys).agg(
-        F.sort_array(F.collect_list(F.struct("req_time", "req_id", *rest))).alias("_r"))
-    per = per.select(*keys, "_r", chunk_ids(cfg, F.col("_r")).alias("chunk"))
-    z = per.select(*keys, F.explode(F.arrays_zip("_r", "chunk")).alias("_z"))
-    return z.select(*keys, *[F.col("_z._r")[c].alias(c) for c in ("req_time", "req_id", *rest)],
-                    F.col("_z.chunk").cast("int").alias("chunk"))
+    return F.aggregate(arr, zero, step, lambda acc: run_ids(F.concat(F.array(F.lit(0)), acc["starts"]), acc["n"]))
 
 
 def _value(v) -> Column:
@@ -234,6 +211,21 @@ def run_ids(starts: Column, n: Column) -> Column:
     return F.flatten(F.transform(starts, lambda s, k: F.array_repeat(k, nxt(k) - s)))
 
 
+def chunk_starts(ch: Column, n: Column) -> Column:
+    """Where each chunk starts in a (user, set)'s requests: the positions whose chunk id
+    (``ch``, ascending) differs from the one before, 0 first."""
+    return F.filter(indexes(n), lambda j: F.when(j == 0, F.lit(True)).otherwise(ch[j] != ch[j - 1]))
+
+
+def chunk_events(x: DataFrame) -> DataFrame:
+    """Per (user, set) and chunk, its stored events ``_s``: the stream ``_S`` cut to the
+    chunk's [lo, hi) (``_lh``: one struct per chunk); chunks that store none are left out."""
+    c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
+    c = c.where(F.col("_b.hi") > F.col("_b.lo"))
+    sl = F.slice("_S", F.col("_b.lo").cast("int") + 1, (F.col("_b.hi") - F.col("_b.lo")).cast("int"))
+    return c.select("user", SET, "chunk", sl.alias("_s"))
+
+
 def events_before_each(times: Column, marks: Column) -> Column:
     """Per mark (``marks``: ascending times), the number of ``times`` (ascending) strictly
     before it, in the marks' order: one sort of both merged, where a mark precedes the
@@ -315,9 +307,7 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     x = x.withColumn("_ch", chunk_ids(cfg, F.col("_q")))
     n = F.size("_q")
     # where each chunk starts; requests that see no event (seq_end 0) come first
-    starts = F.filter(F.sequence(F.lit(0), n - 1),
-                      lambda j: F.when(j == 0, F.lit(True)).otherwise(F.col("_ch")[j] != F.col("_ch")[j - 1]))
-    x = x.select("*", starts.alias("_st"), F.size(F.filter("_q", lambda r: r["_len"] == 0)).alias("_z"))
+    x = x.select("*", chunk_starts(F.col("_ch"), n).alias("_st"), F.size(F.filter("_q", lambda r: r["_len"] == 0)).alias("_z"))
 
     def bound(k: Column):
         first = F.greatest(F.col("_st")[k], F.col("_z"))
@@ -337,12 +327,8 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
                     F.when(has, F.col("_z._q._b")).otherwise(lh["lo"]).alias("_b"),
                     F.when(has, F.col("_z._q._e")).otherwise(lh["lo"]).alias("_e"))
     # per chunk: its stored events, the stream's [lo, hi)
-    c = x.select("user", SET, F.posexplode("_lh").alias("chunk", "_b"), "_S")
-    c = c.where(F.col("_b.hi") > F.col("_b.lo"))
-    sl = F.slice("_S", F.col("_b.lo").cast("int") + 1, (F.col("_b.hi") - F.col("_b.lo")).cast("int"))
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
-    seq = c.select("user", SET, "chunk", sl.alias("_s"))
-    seq = seq.select("user", SET, "chunk", *[F.transform("_s", _field(col)).alias(SEQ + name)
+    seq = chunk_events(x).select("user", SET, "chunk", *[F.transform("_s", _field(col)).alias(SEQ + name)
                                              for name, col in seq_map.items()])
     wide = requests.join(reqs, on=["user", *part, "req_id", "req_time"], how="inner")
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))

@@ -43,6 +43,21 @@ def _check_greedy(rows: list[tuple], chunks: list[int], cap: int, where) -> None
             assert _cost(run + runs[i + 1][:1]) > cap, (where, i, run, runs[i + 1][0])
 
 
+def assign_chunks(cfg, reqs):
+    """Add ``chunk`` to requests (user, _set, req_time, req_id, _b, _e, _c, _len), keeping every
+    other column: :func:`pointer.chunk_ids` over each (user, _set)'s sorted rows, as the plans
+    call it, exploded back."""
+    from pyspark.sql import functions as F
+
+    keys = ["user", "_set"]
+    rest = [c for c in reqs.columns if c not in (*keys, "req_time", "req_id")]
+    per = reqs.groupBy(*keys).agg(F.sort_array(F.collect_list(F.struct("req_time", "req_id", *rest))).alias("_r"))
+    per = per.select(*keys, "_r", pointer.chunk_ids(cfg, F.col("_r")).alias("chunk"))
+    z = per.select(*keys, F.explode(F.arrays_zip("_r", "chunk")).alias("_z"))
+    return z.select(*keys, *[F.col("_z._r")[c].alias(c) for c in ("req_time", "req_id", *rest)],
+                    F.col("_z.chunk").cast("int").alias("chunk"))
+
+
 def test_assign_chunks_fills_greedily(spark):
     """Slices that jump back (fat overrides elsewhere in the stream), requests without a
     slice (b, e null or 0), a request over the cap, several users and sets in one frame."""
@@ -61,7 +76,7 @@ def test_assign_chunks_fills_greedily(spark):
     df = spark.createDataFrame(rows, "user long, _set int, req_time long, req_id string, _b long, _e long, "
                                      "_c long, _len long")
     cfg = C.parse(config(5, max_sample_cost=cap))
-    got = pointer.assign_chunks(cfg, df, ("_set",)).toPandas()
+    got = assign_chunks(cfg, df).toPandas()
     assert len(got) == len(rows)
     assert set(got.columns) == {"user", "_set", "req_time", "req_id", "_b", "_e", "_c", "_len", "chunk"}
     big = 0
