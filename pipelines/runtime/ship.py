@@ -13,14 +13,24 @@ directory entries, so ``--py-files userwise-0.1.0-py3-none-any.whl`` leaves
 holds the same files as the wheel plus those directory entries (and no
 ``.dist-info``).
 
+The zip a command ships itself is cached in this user's private temp folder
+(:func:`private_tmp`: ``<tmp>/userwise-<uid>/ship``, 0700, owner checked) and named by its
+content; a file found at that name is shipped only when its bytes hash to the zip built
+now, else it is replaced. Files are written through a new temporary name (``O_EXCL |
+O_NOFOLLOW``) and a rename, never through a file or link already there.
+
     userwise ship            # -> dist/userwise-<version>-py3-none-any.whl, dist/userwise-<version>-pyfiles.zip
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
+import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import zipfile
@@ -48,12 +58,11 @@ def build_wheel(dist: str | Path = "dist", project: str | Path = PROJECT) -> Pat
     return Path(wheels[0])
 
 
-def _write_zip(files, out: Path) -> Path:
+def _zip_bytes(files) -> bytes:
     """A zip of ``files`` ((archive name, bytes), sorted) with an entry for every directory
     (see the module doc), fixed timestamps: the same files give the same bytes."""
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zo:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zo:
         dirs: set[str] = set()
         for name, data in files:
             parts = name.split("/")[:-1]
@@ -65,8 +74,81 @@ def _write_zip(files, out: Path) -> Path:
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = zipfile.ZIP_DEFLATED
             zo.writestr(info, data)
-    tmp.replace(out)
+    return buf.getvalue()
+
+
+def write_new(out: str | Path, data: bytes, mode: int = 0o644) -> Path:
+    """Write ``data`` to ``out`` through a new file of a unique name beside it (created with
+    ``O_EXCL | O_NOFOLLOW``: nothing planted there is written through) and a rename over ``out``.
+
+    Example::
+
+        write_new("/tmp/userwise-0/ship/x.zip", b"...", mode=0o600)
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return out
+
+
+def _write_zip(files, out: Path) -> Path:
+    return write_new(out, _zip_bytes(files))
+
+
+def _read_nofollow(path: Path) -> bytes | None:
+    """The bytes of the regular file ``path``, opened without following a link (None: no such
+    file, a link, or not a regular file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read()
+
+
+def private_tmp(name: str) -> Path:
+    """``<tmp>/userwise-<uid>/<name>``: a folder of this user's alone, in the shared temp folder
+    (``tempfile.gettempdir()``: ``$TMPDIR``, else ``/tmp``). Each level is created with mode 0700,
+    or, when it exists, must be a real folder (not a link) owned by this user with no access for
+    group or others; anything else is refused in one line (another local user could have planted
+    it, to read or replace what is written there).
+
+    Example::
+
+        logs = private_tmp("logs")   # /tmp/userwise-1000/logs, 0700, owned by uid 1000
+    """
+    import tempfile
+
+    uid = os.getuid()
+    root = Path(tempfile.gettempdir()) / f"userwise-{uid}"
+    for d in (root, root / name):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        why = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+               "is not a folder" if not stat.S_ISDIR(st.st_mode) else
+               f"is owned by uid {st.st_uid}, not by you (uid {uid})" if st.st_uid != uid else
+               f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users" if st.st_mode & 0o077 else None)
+        if why:
+            raise UserwiseError(f"{d} {why}; userwise keeps its shipped code and logs in a folder of yours "
+                                f"alone: remove {d} (another user may have planted it) or set TMPDIR to a "
+                                "folder of your own")
+    return root / name
 
 
 def pyfiles_zip(wheel: str | Path, out: str | Path | None = None) -> Path:
@@ -109,18 +191,20 @@ def installed_files() -> list[tuple[str, bytes]]:
 
 def installed_zip(dest: str | Path | None = None) -> Path:
     """The ``--py-files`` zip of the code this process runs (no pip, no source tree needed),
-    under ``dest`` (default a cache folder), named by its content: the zip a command ships to
-    a cluster's executors itself (``userwise <job> --master spark://...|yarn``)."""
+    under ``dest`` (default this user's private cache, :func:`private_tmp`), named by its content:
+    the zip a command ships to a cluster's executors itself (``userwise <job> --master
+    spark://...|yarn``). A zip already at that name is shipped only when its bytes hash to the
+    zip built here (the same files give the same bytes); anything else there is replaced."""
     import hashlib
-    import tempfile
 
-    files = installed_files()
-    h = hashlib.sha256()
-    for n, data in files:
-        h.update(n.encode() + b"\0" + data)
-    dest = Path(dest) if dest else Path(tempfile.gettempdir()) / "userwise-ship"
-    out = dest / f"userwise-{version()}-{h.hexdigest()[:12]}-pyfiles.zip"
-    return out if out.is_file() else _write_zip(files, out)
+    data = _zip_bytes(installed_files())
+    digest = hashlib.sha256(data).hexdigest()
+    dest = Path(dest) if dest else private_tmp("ship")
+    out = dest / f"userwise-{version()}-{digest[:16]}-pyfiles.zip"
+    have = _read_nofollow(out)
+    if have is not None and hashlib.sha256(have).hexdigest() == digest:
+        return out
+    return write_new(out, data, 0o600)
 
 
 def build(dist: str | Path = "dist", project: str | Path = PROJECT) -> Path:

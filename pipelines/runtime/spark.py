@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 
+from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.runtime import jars, progress
 
 _LOCAL_DEFAULTS = {
@@ -77,20 +78,44 @@ rootLogger.appenderRef.file.ref = file
 def _log_to_file() -> tuple[str, str]:
     """Write a log4j2 configuration that sends the driver's log to a file; return the file.
 
-    The folder is ``$USERWISE_LOG_DIR``, else ``<tmp>/userwise-logs``. ``userwise --verbose``
+    The folder is ``$USERWISE_LOG_DIR`` (the user's choice, used as it is), else this user's
+    private ``<tmp>/userwise-<uid>/logs`` (0700, owner checked: ``ship.private_tmp``).
+    Both files are new: created with ``O_EXCL | O_NOFOLLOW``, so a link or file planted at
+    their names is never written through (another name is taken). ``userwise --verbose``
     (``USERWISE_VERBOSE=1``) keeps Spark's console log instead.
     """
     import datetime as dt
-    import tempfile
 
-    d = os.environ.get("USERWISE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "userwise-logs")
-    os.makedirs(d, exist_ok=True)
+    from userwise.pipelines.runtime import ship
+
+    given = os.environ.get("USERWISE_LOG_DIR")
+    if given:
+        if not os.path.lexists(given):
+            os.makedirs(given, exist_ok=True)
+        if not os.path.isdir(given):
+            raise UserwiseError(f"USERWISE_LOG_DIR={given}: not a folder; set it to a folder for Spark's log files")
+    d = given or str(ship.private_tmp("logs"))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(d, f"spark-{stamp}-{os.getpid()}.log")
-    props = os.path.join(d, f"log4j2-{os.getpid()}.properties")
-    with open(props, "w") as f:
+    path, fd = _create_new(d, f"spark-{stamp}-{os.getpid()}", ".log")
+    os.close(fd)
+    props, fd = _create_new(d, f"log4j2-{os.getpid()}", ".properties")
+    with os.fdopen(fd, "w") as f:
         f.write(_LOG4J.format(path=path, level=os.environ.get("USERWISE_SPARK_LOG", "WARN").lower()))
     return path, props
+
+
+def _create_new(folder: str, stem: str, suffix: str) -> tuple[str, int]:
+    """A new file ``folder/stem[-n]suffix`` (the first name free) and its descriptor, opened for
+    writing with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (mode 0600): never a file or link already there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for n in range(100):
+        path = os.path.join(folder, f"{stem}{f'-{n}' if n else ''}{suffix}")
+        try:
+            return path, os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue
+    raise UserwiseError(f"{folder}: {stem}{suffix} and 99 other names for Spark's log are taken; "
+                        "remove old files there or set USERWISE_LOG_DIR to another folder")
 
 
 def _launch_jvm_logging_to(path: str, builder) -> None:
@@ -104,7 +129,8 @@ def _launch_jvm_logging_to(path: str, builder) -> None:
     conf = SparkConf()
     for k, v in builder._options.items():
         conf.set(k, v)
-    with open(path, "ab") as log:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with os.fdopen(fd, "ab") as log:
         gateway = launch_gateway(conf, popen_kwargs={"stdout": log, "stderr": log})
     SparkContext._ensure_initialized(gateway=gateway)
 
@@ -187,8 +213,6 @@ def refuse_unshippable(master: str) -> None:
     spark-submit command to use instead (Kubernetes: the driver runs in a pod, in cluster mode)."""
     if master.startswith(SHIPS_ITSELF):
         return
-    from userwise.pipelines.errors import UserwiseError
-
     argv = [a for a in sys.argv[1:] if a and not a.startswith("--master") and a != master]
     job = next((a for a in argv if not a.startswith("-")), "JOB")
     rest = " ".join(argv[argv.index(job) + 1:]) if job in argv else "ARGS"

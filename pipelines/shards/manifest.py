@@ -108,13 +108,20 @@ def load(root: str, fs=None) -> dict:
     return validate(m, path)
 
 
+# Names a shard set's folders hold for stage and the manifest themselves, never a shard's: the
+# stage lock, the manifest (and its temporary name), a copy under way and its finished ranges.
+RESERVED = (".stage.lock", MANIFEST)
+RESERVED_SUFFIXES = (".part", ".part.ranges", ".part.ranges.tmp")
+
+
 def safe_relpath(path, where: str) -> str:
     """``path`` when it is a safe relative path inside a shard set's root, else ShardError.
 
     Safe: a non-empty string of ``/``-separated names, relative (no leading ``/``, no drive, no
     scheme such as ``s3://`` or ``file:``), normalised (no ``.``, ``..`` or empty name, no
-    ``\\``), with no control character. A manifest is written by whoever can write the cluster
-    storage, so stage and the loader check every path it holds before they touch anything;
+    ``\\``), with no control character, and no part named as stage's own files (:data:`RESERVED`, or
+    ending in one of :data:`RESERVED_SUFFIXES`). A manifest is written by whoever can write the
+    cluster storage, so stage and the loader check every path it holds before they touch anything;
     ``where`` names the entry in the error."""
     if not isinstance(path, str) or not path:
         raise ShardError(f"{where}: a path must be a non-empty string, got {short(path)}; the manifest was edited "
@@ -127,6 +134,9 @@ def safe_relpath(path, where: str) -> str:
         why = "holds a backslash or a control character"
     elif any(p in ("", ".", "..") for p in parts):
         why = "is not normalised (an empty, '.' or '..' part)"
+    elif any(p in RESERVED or p.startswith(f".{MANIFEST}.tmp-") or p.endswith(RESERVED_SUFFIXES) for p in parts):
+        why = ("uses a name that stage and the manifest keep for themselves (.stage.lock, manifest.json, "
+               "*.part, *.part.ranges)")
     if why:
         raise ShardError(f"{where}: path {short(path)} {why}; a shard set's paths are relative to its root, "
                          "e.g. node=0/shard-00000.parquet: the manifest was edited or damaged, refused before "

@@ -48,6 +48,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -58,7 +59,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import pyarrow.fs as pafs
 
 from userwise.pipelines import console
-from userwise.pipelines.errors import ShardError
+from userwise.pipelines.errors import ArgumentError, ShardError, short
 from userwise.pipelines.records.writer_lock import FolderLock
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.shards import manifest as mf
@@ -195,6 +196,8 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
 
     A file's (or a range's) copy that fails on the store is retried ``retries`` times with
     exponential backoff from ``backoff`` seconds, resuming from what it had copied."""
+    _check_rate("limit_mbps", "--limit-mbps", limit_mbps, nullable=True)
+    _check_rate("range_mb", "--range-mb", range_mb)
     try:
         return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
                       range_bytes=max(int(range_mb * (1 << 20)), 1 << 16), retries=retries, backoff=backoff)
@@ -205,6 +208,15 @@ def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: fl
         raise StoreGone(f"{shards}: the store stopped answering while node {node} was staged "
                         f"({type(e).__name__}{': ' + msg if msg else ''}); finished and partial files in {dest} "
                         "are kept: run the same command again when the store is back, it resumes") from None
+
+
+def _check_rate(name: str, flag: str, value, *, nullable: bool = False) -> None:
+    """``value`` is a finite number > 0 (or None where ``nullable``), else ArgumentError naming the flag."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ArgumentError(f"{flag} ({name}) must be a finite number > 0, got {short(value)}"
+                            + ("; leave it out for no cap" if nullable else ""))
 
 
 def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float | None, fs, out,
@@ -224,9 +236,11 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
             _inside(src_root, os.path.realpath(os.path.join(src_base, rel)), f"{shards}: {rel}", "the shard set's root")
     dest = os.path.abspath(dest)
     existed = os.path.isdir(dest)
+    if not existed and os.path.lexists(dest):
+        raise ShardError(f"--staged {dest}: is a file, not a folder; choose a folder (stage creates it)")
     os.makedirs(dest, exist_ok=True)
     try:
-        with FolderLock(os.path.join(dest, LOCK), "stage", what=f"node {node} of {shards}"):
+        with _lock(dest, f"node {node} of {shards}"):
             return _stage_locked(m, items, src_fs, src_base, shards, node, dest, workers=workers,
                                  limit_mbps=limit_mbps, out=out, range_bytes=range_bytes, retries=retries,
                                  backoff=backoff)
@@ -238,6 +252,32 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
 
 
 LOCK = ".stage.lock"
+
+
+@contextlib.contextmanager
+def _lock(dest: str, what: str):
+    """Hold ``dest``'s stage lock; anything but a regular file at ``dest/.stage.lock`` (a link, a
+    folder) is refused, never followed: the lock is opened with ``O_NOFOLLOW``, so a link's target
+    is untouched."""
+    import stat
+
+    path = os.path.join(dest, LOCK)
+    bad = ShardError(f"{path}: not a lock file stage wrote (a symbolic link, a folder or another special file); "
+                     "refused without touching what it points at: remove it and run the same command again")
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise bad
+    lock = FolderLock(path, "stage", what=what)
+    try:
+        lock.acquire()
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
+            raise bad from None
+        raise
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def _inside(root: str, path: str, what: str, where: str) -> None:
