@@ -3,15 +3,15 @@ recompute and is never stale.
 
 Public names::
 
-    from userwise.pipelines.serve import (node_of, nodes_of, user_keys, Chain, chain_of, chains_of,
-    longest_valid_prefix, KVStore, Lease, TIERS, Events, Candidates, KVState, empty_state, prefill,
-    extend, score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE, Trace,
+    from userwise.pipelines.serve import (user_id, node_of, nodes_of, user_keys, Chain, chain_of,
+    chains_of, longest_valid_prefix, KVStore, Lease, TIERS, Events, Candidates, KVState, empty_state,
+    prefill, extend, score, full_scores, PrefixCheck, check_prefix_stable, training_encoder, CACHEABLE, Trace,
     TraceRequest, read_trace, replay)
 
 Modules, in the order a request flows through them:
 
-- ``routing``: the serving node of a user, a jump consistent hash of its id (adding a
-  node moves only the users it takes);
+- ``routing``: a user id's one form (an int or a string), and the serving node of a user,
+  a jump consistent hash of its id (adding a node moves only the users it takes);
 - ``chain``: the chain of a user's events (content hashes rolled, one checkpoint per page
   of P events, with the model version; Spark computes the same natively) and the longest
   prefix a held state and the current events both verify;
@@ -46,12 +46,12 @@ from userwise.pipelines.serve.incremental import (
     score,
     training_encoder,
 )
-from userwise.pipelines.serve.routing import node_of, nodes_of, user_keys
+from userwise.pipelines.serve.routing import node_of, nodes_of, user_id, user_keys
 from userwise.pipelines.serve.store import TIERS, KVStore, Lease
 
 __all__ = [
-    "node_of", "nodes_of", "user_keys", "Chain", "chain_of", "chains_of", "longest_valid_prefix", "KVStore", "Lease",
-    "TIERS", "Events", "Candidates", "KVState", "empty_state", "prefill", "extend", "score", "full_scores",
-    "PrefixCheck", "check_prefix_stable", "training_encoder", "CACHEABLE", "Trace", "TraceRequest", "read_trace",
-    "replay",
+    "user_id", "node_of", "nodes_of", "user_keys", "Chain", "chain_of", "chains_of", "longest_valid_prefix",
+    "KVStore", "Lease", "TIERS", "Events", "Candidates", "KVState", "empty_state", "prefill", "extend", "score",
+    "full_scores", "PrefixCheck", "check_prefix_stable", "training_encoder", "CACHEABLE", "Trace", "TraceRequest",
+    "read_trace", "replay",
 ]

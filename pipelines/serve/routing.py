@@ -15,37 +15,61 @@ Example::
 
     node_of(12345, 8)                       # the node of one user
     nodes_of(np.arange(100_000), 8)         # vectorised over many
+
+A user id is an int (a Python or numpy integer within 64 bits) or a string; :func:`user_id`
+is its one normal form, the same for routing and for the cache's key (``1`` and
+``np.int64(1)`` are one user; ``True``, ``1.0`` and NaN are refused, never taken for ``1``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError, short
 from userwise.schemas.hashing import xxhash64, xxhash64_longs
 
-__all__ = ["node_of", "nodes_of", "user_keys"]
+__all__ = ["user_id", "node_of", "nodes_of", "user_keys"]
 
 _JUMP = np.uint64(2862933555777941757)
+_LONG = (-(1 << 63), (1 << 63) - 1)
+
+
+def user_id(user) -> int | str:
+    """The one form of a user id, as routing hashes it and the cache keys it: an ``int`` for a
+    Python or numpy integer within 64 bits (Spark's ``long``), a ``str`` for a string. A bool,
+    a float (NaN included) or anything else is an :class:`ArgumentError`: ``True`` or ``1.0``
+    is never taken for the user ``1``.
+
+    Example::
+
+        user_id(np.int64(7)) == user_id(7) == 7      # one user; user_id(7.0) raises
+    """
+    if isinstance(user, (bool, np.bool_)) or not isinstance(user, (int, np.integer, str)):
+        raise ArgumentError(f"user id {short(user)} ({type(user).__name__}): route int or string ids (an int "
+                            "within 64 bits, or a string)")
+    if isinstance(user, str):
+        return str(user)
+    v = int(user)
+    if not _LONG[0] <= v <= _LONG[1]:
+        raise ArgumentError(f"user id {short(user)}: route int or string ids (an int within 64 bits, or a string)")
+    return v
 
 
 def user_keys(users) -> np.ndarray:
-    """The routing key (int64) of each user id: ``xxhash64(user as long)`` for ints,
-    ``xxhash64(user as string)`` for strings.
+    """The routing key (int64) of each user id (:func:`user_id`'s form): ``xxhash64(user as long)``
+    for ints, ``xxhash64(user as string)`` for strings.
 
     Example::
 
         user_keys([7, "u-7"])
     """
-    if isinstance(users, np.ndarray) and users.dtype.kind in "iu":
+    if isinstance(users, np.ndarray) and users.dtype.kind == "i":
         return xxhash64_longs(users.astype(np.int64))
-    users = users.tolist() if isinstance(users, np.ndarray) else list(users)
+    users = [user_id(u) for u in (users.tolist() if isinstance(users, np.ndarray) else users)]
     if all(type(u) is int for u in users):  # not np.asarray of a mixed list: it would make 7 the string "7"
         return xxhash64_longs(np.array(users, dtype=np.int64))
     out = np.empty(len(users), dtype=np.int64)
     for i, u in enumerate(users):
-        if isinstance(u, (bool, float)) or not isinstance(u, (int, str)):
-            raise UserwiseError(f"user id {u!r} ({type(u).__name__}): route int or string ids")
         out[i] = xxhash64([(u, "long" if isinstance(u, int) else "string")])
     return out
 

@@ -60,9 +60,23 @@ def _problems(lease, user, ids, version) -> list:
     return bad
 
 
+def _file_bytes(tmp_path) -> tuple[int, int]:
+    """The real sizes of a disk file of two pages (its header included) and of the folder's
+    lock file, measured on a store of a disk tier alone."""
+    probe = KVStore(page_size=P, device_bytes=0, disk_bytes=1 << 20, folder=tmp_path / "probe")
+    assert probe.put(0, _chain(list(range(8)), 1), _state(0, list(range(8)), 1)) == "disk"
+    sizes = {f.name: f.stat().st_size for f in (tmp_path / "probe").iterdir()}
+    probe.close()
+    lock = sizes.pop(".lock")
+    (two,) = sizes.values()
+    return two, lock
+
+
 def _store(tmp_path, device_pages, host_pages, disk_pages, **kw):
+    """A store whose disk holds ``disk_pages // 2`` files of two pages."""
+    two, lock = _file_bytes(tmp_path)
     return KVStore(page_size=P, device_bytes=device_pages * PAGE_BYTES, host_bytes=host_pages * PAGE_BYTES,
-                   disk_bytes=disk_pages * PAGE_BYTES, folder=tmp_path / "kv", **kw)
+                   disk_bytes=disk_pages // 2 * two + lock if disk_pages else 0, folder=tmp_path / "kv", **kw)
 
 
 def test_users_move_down_the_tiers_by_lru_and_back_up_on_a_lookup(tmp_path):
@@ -73,7 +87,7 @@ def test_users_move_down_the_tiers_by_lru_and_back_up_on_a_lookup(tmp_path):
     assert [store.tier_of(u) for u in range(6)] == ["host"] * 3 + ["device"] * 3
     store.put(6, _chain(ids[6], 1), _state(6, ids[6], 1))  # 3 goes to host, so host's oldest (0) to disk
     assert [store.tier_of(u) for u in range(7)] == ["disk", "host", "host", "host", "device", "device", "device"]
-    assert len(list((tmp_path / "kv").glob("*.pt"))) == 1
+    assert len(list((tmp_path / "kv").glob("*.kv"))) == 1
     with store.acquire(0, _chain(ids[0], 1)) as lease:  # from disk, back to the device
         assert lease.tier == "disk" and lease.length == 8 and _problems(lease, 0, ids[0], 1) == []
         assert store.tier_of(0) == "device"
@@ -89,13 +103,14 @@ def test_users_move_down_the_tiers_by_lru_and_back_up_on_a_lookup(tmp_path):
     assert s["hit_rate"]["disk"] == 0.25
     # the device gave 4 then 5 to host, host gave 1 then 3 to disk
     assert [store.tier_of(u) for u in range(7)] == ["device", "disk", "device", "disk", "host", "host", "device"]
-    assert s["resident_bytes"] == {"device": 6 * PAGE_BYTES, "host": 4 * PAGE_BYTES, "disk": 4 * PAGE_BYTES}
+    two, _ = _file_bytes(tmp_path)
+    assert s["resident_bytes"] == {"device": 6 * PAGE_BYTES, "host": 4 * PAGE_BYTES, "disk": 2 * two}
     assert all(s["resident_bytes"][t] <= s["capacity_bytes"][t] for t in s["resident_bytes"])
     assert s["users"] == {"device": 3, "host": 2, "disk": 2} and s["pinned_users"] == 0
     for u in (7, 8, 9, 10):  # the last one fills the disk: its oldest user is dropped
         store.put(u, _chain(ids[7], 1), _state(u, ids[7], 1))
     assert store.stats()["dropped"] == 1 and store.tier_of(1) is None and store.tier_of(3) == "disk"
-    for f in (tmp_path / "kv").glob("*.pt"):
+    for f in (tmp_path / "kv").glob("*.kv"):
         f.unlink()  # the disk tier's folder was cleaned: a miss, never an error or a wrong state
     with store.acquire(3, _chain(ids[3], 1)) as lease:
         assert lease.state is None
