@@ -42,13 +42,43 @@ from userwise.pipelines.loader.jagged import (
 )
 from userwise.schemas.layout import input_name
 
-__all__ = ["JaggedBatch", "expand_batch", "full_device"]
+__all__ = ["JaggedBatch", "expand_batch", "full_device", "as_device"]
 
 _TORCH = {
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
     "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
     "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
 }
+
+
+# The device types batches can go to: the host, or a CUDA device.
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def as_device(value, what: str = "device", *, available: bool = False) -> torch.device:
+    """``value`` (a device string such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``, or a
+    ``torch.device``) as a ``torch.device``; an :class:`ArgumentError` naming ``what`` for
+    anything else (``"tpu"``, ``3``, a device type the loader cannot put batches on). With
+    ``available``, a CUDA device must also be there: CUDA available and its index below the
+    device count."""
+    if isinstance(value, bool) or not isinstance(value, (str, torch.device)):
+        raise ArgumentError(f"{what} must be a device string such as 'cpu' or 'cuda:0', or a torch.device, "
+                            f"got {type(value).__name__} {value!r:.80}")
+    try:
+        d = torch.device(value)
+    except (RuntimeError, ValueError) as e:
+        why = " ".join(str(e).split())[:200]
+        raise ArgumentError(f"{what} {value!r:.80} is not a device ({why}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    if d.type not in DEVICE_TYPES:
+        raise ArgumentError(f"{what} {value!r:.80}: batches go to {' or '.join(DEVICE_TYPES)} devices only; "
+                            "use 'cpu', 'cuda' or 'cuda:N'")
+    if available and d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ArgumentError(f"{what} {value!r:.80}: no CUDA device is available here; use device='cpu'")
+        if d.index is not None and d.index >= n:
+            raise ArgumentError(f"{what} {value!r:.80}: this host has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    return d
 
 
 def full_device(d: torch.device) -> torch.device:

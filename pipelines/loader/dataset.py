@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
 from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect, resume
 from userwise.pipelines.loader.assemble import Prepared
+from userwise.pipelines.loader.batch import as_device
 from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, holdout, plan_node
 from userwise.pipelines.loader.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
 from userwise.pipelines.loader.shards import VERIFY, NodeShards, open_node
@@ -129,6 +130,7 @@ class UserwiseDataset(IterableDataset):
             expect(buffer_row_groups, "int>=1", "buffer_row_groups", fix="or 'auto'")
         if verify not in VERIFY:
             raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
+        device = as_device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.shards: NodeShards = open_node(root, node, verify=verify)
         dr, dw = distributed.rank_world()
         self.rank = dr if rank is None else int(rank)
@@ -157,7 +159,7 @@ class UserwiseDataset(IterableDataset):
                 raise ArgumentError(f"unknown columns {bad}; the shards have {names}")
             columns = [c for c in names if c in set(columns) | set(REQUIRED)]
         self.columns = columns or list(names)
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
         self.data_path = gpudirect.choose_path(self.shards, gds, self.device)
         self.epoch = 0
         self._start = 0

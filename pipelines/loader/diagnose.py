@@ -48,7 +48,9 @@ def run(shards: str, *, device=None, batch_size=64, batches=50, num_workers=0) -
         raise UserwiseError("--device cuda but no CUDA device is available; use --device cpu")
     ds = UserwiseDataset(shards, batch_size=batch_size, world_size=1, rank=0, verify="size", device=device)
     step = _consumer(device)
-    host = next(iter(UserwiseLoader(ds, device="cpu")))
+    host = next(iter(UserwiseLoader(ds, device="cpu")), None)
+    if host is None:
+        raise UserwiseError(f"{shards}: the shards hold no samples; nothing to time")
     n = max(1, batches)
 
     def timed(get):

@@ -13,6 +13,7 @@ code yields host batches.
 from __future__ import annotations
 
 import collections
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -23,11 +24,16 @@ import torch.multiprocessing as mp
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
 from userwise.pipelines.loader import resume, segcopy
-from userwise.pipelines.loader.batch import JaggedBatch, full_device
+from userwise.pipelines.loader.batch import JaggedBatch, as_device, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import PinnedPool
+from userwise.pipelines.loader.ring import MAX_SLOTS, PIPE_BYTES
 from userwise.pipelines.loader.workers import WorkerPool
+
+# The most batches a worker may hold ready: its ring has worker_queue + 2 slots (one the consumer
+# holds, one lent), and every slot number must fit in the pipe that hands them back (ring.MAX_SLOTS).
+MAX_WORKER_QUEUE = MAX_SLOTS - 2
 
 
 @dataclass
@@ -67,12 +73,15 @@ class UserwiseLoader:
     """Iterate a :class:`UserwiseDataset` with worker processes, pinned memory and prefetch.
 
     Args (keyword-only after ``dataset``):
-        num_workers (int): decoding processes (0: decode in the main process).
-        device (str | torch.device | None): where batches go (default cuda if available, else cpu).
+        num_workers (int): decoding processes (0: decode in the main process); at most the
+            host's CPU count (``os.cpu_count()``).
+        device (str | torch.device | None): where batches go, "cpu", "cuda" or "cuda:N" (a CUDA
+            device that is there); default the dataset's (cuda if available, else cpu).
         prefetch (int): batches copied ahead on the side stream (CUDA; default 2).
         worker_queue (int): batches each worker may hold ready (default 4: fewer leave a worker
             of small batches waiting on the trainer's slot returns; each is one batch of shared
-            memory).
+            memory); at most ``MAX_WORKER_QUEUE`` (510), so that handing slots back to a
+            worker never blocks on its pipe.
         pin_memory (bool | None): default: when the device is CUDA.
         multiprocessing_context (str): default "fork".
         timeout (float): seconds to wait for one batch before failing (default 600).
@@ -104,14 +113,29 @@ class UserwiseLoader:
                  pin_memory=None, multiprocessing_context="fork", timeout=600.0, zero_copy=True):
         self.dataset = dataset
         self.num_workers = expect(num_workers, "int>=0", "num_workers", fix="0 decodes in this process")
-        self.device = full_device(torch.device(device) if device is not None else dataset.device)
+        cpus = os.cpu_count() or 1
+        if self.num_workers > cpus:  # each worker is a process with its own buffers: never more than the cores
+            raise ArgumentError(f"num_workers must be at most this host's {cpus} CPUs, got {num_workers}; "
+                                "more workers than cores only compete for them (and for memory)")
+        self.device = full_device(as_device(device, available=True) if device is not None
+                                  else as_device(dataset.device, "the dataset's device", available=True))
         self.prefetch = expect(prefetch, "int>=1", "prefetch")
         self.worker_queue = expect(worker_queue, "int>=1", "worker_queue")
+        if self.worker_queue > MAX_WORKER_QUEUE:
+            raise ArgumentError(f"worker_queue must be at most {MAX_WORKER_QUEUE}, got {worker_queue}: a worker's "
+                                "free slot numbers must fit in the pipe that hands them back, which holds "
+                                f"{PIPE_BYTES} bytes without blocking (the default 4 is enough; see docs/loader.md)")
         if expect(timeout, "number", "timeout") <= 0:
             raise ArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        expect(pin_memory, "bool", "pin_memory", nullable=True, fix="None pins when the device is CUDA")
+        expect(zero_copy, "bool", "zero_copy")
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = cuda if pin_memory is None else bool(pin_memory and torch.cuda.is_available())
-        self.ctx = mp.get_context(multiprocessing_context)
+        try:
+            self.ctx = mp.get_context(multiprocessing_context)
+        except ValueError:
+            raise ArgumentError(f"multiprocessing_context must be one of {mp.get_all_start_methods()}, "
+                                f"got {multiprocessing_context!r:.80}") from None
         self.timeout = float(timeout)
         self.zero_copy = bool(zero_copy)
         if dataset.data_path == "gds" and self.num_workers:

@@ -8,6 +8,7 @@ alone: no per-batch shared-memory create/unlink, no file-descriptor passing.
 from __future__ import annotations
 
 import pickle
+import select
 import struct
 
 import torch
@@ -53,6 +54,16 @@ class Ring:
 
 # a slot number on a free pipe
 SLOT = struct.Struct("<i")
+# One slot number as it sits in the pipe: Connection.send_bytes writes a 4-byte length, then the number.
+SLOT_MESSAGE = 4 + SLOT.size
+# What a pipe holds without blocking its writer: POSIX guarantees PIPE_BUF bytes (4096 on Linux, where a
+# pipe holds 64 KiB by default but only one page once a user's pipes pass fs.pipe-user-pages-soft).
+PIPE_BYTES = getattr(select, "PIPE_BUF", 512)
+# The most slots a worker's ring may have. The trainer writes a slot's number back into the worker's
+# free pipe whether or not the worker is reading it (at start-up every number goes in before the worker
+# has its first plan; a worker between epochs reads none), so every number must fit in the pipe at once:
+# then handing a slot back never blocks the trainer.
+MAX_SLOTS = PIPE_BYTES // SLOT_MESSAGE
 
 
 def send(conn, msg) -> None:

@@ -97,6 +97,38 @@ def source(path: str):
     return fs.open_input_file(p)
 
 
+def check_row_groups(md, path: str, *, rows: int, row_groups: int | None = None) -> None:
+    """A shard's row groups (``md``, its ``pq.FileMetaData``) agree with the manifest's ``rows``
+    (and ``row_groups``) and with their own column chunks, else a :class:`ShardError` naming
+    the file. The loader reads a row group's rows as its footer says, and the footer is outside
+    every page's CRC: a row count edited there (17 to 16, or to -18) would silently drop samples
+    while the file's total still matched. So, in every ``verify`` mode (the footer is parsed
+    anyway; no page is read): every row group's count is >= 0, their sum is the manifest's
+    rows, and every column chunk holds as many values as its row group has rows (exactly, for a
+    column that does not repeat; at least as many, for a list column, each of whose rows holds
+    one value or an empty-list marker at least)."""
+    fix = "the file's footer is damaged or was edited: copy it again (`userwise stage`) or rerun `userwise preshard`"
+    if row_groups is not None and md.num_row_groups != int(row_groups):
+        raise ShardError(f"{path}: {md.num_row_groups} row groups, the manifest says {row_groups}; {fix}")
+    ncol = md.num_columns
+    repeated = [md.schema.column(c).max_repetition_level > 0 for c in range(ncol)]
+    total = 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        n = rg.num_rows
+        if n < 0:
+            raise ShardError(f"{path}: row group {g} holds {n} rows; {fix}")
+        for c in range(ncol):
+            v = rg.column(c).num_values
+            if v < n or (v != n and not repeated[c]):
+                raise ShardError(f"{path}: row group {g} holds {n} rows but its column "
+                                 f"{md.schema.column(c).path} {v} values; {fix}")
+        total += n
+    if total != int(rows):
+        raise ShardError(f"{path}: its row groups hold {total} rows, the manifest (and the footer's total) "
+                         f"{rows}; {fix}")
+
+
 def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -> NodeShards:
     """Open (and verify) one node's shards under ``root``.
 
@@ -129,6 +161,7 @@ def open_node(root: str, node: int | None = None, *, verify: str = "checksum") -
         except Exception as e:  # noqa: BLE001 (any footer error is a bad shard)
             raise ShardError(f"{path}: not a readable Parquet file ({e}); re-stage it") from None
         mf.check_footer(pf, man, path, rows=s["rows"])
+        check_row_groups(pf.metadata, path, rows=s["rows"], row_groups=s["row_groups"])
         md = pf.metadata
         schema = pf.schema_arrow
         for i in range(md.num_row_groups):

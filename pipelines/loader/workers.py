@@ -20,12 +20,12 @@ import weakref
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.lifeline import Lifeline
 from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import host_register, host_unregister
-from userwise.pipelines.loader.ring import SLOT, Ring, send
+from userwise.pipelines.loader.ring import MAX_SLOTS, SLOT, Ring, send
 
 
 def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False,
@@ -77,6 +77,8 @@ class WorkerPool:
     """Persistent worker processes (started once, fed one epoch plan per iteration)."""
 
     def __init__(self, ctx, ds, k: int, nslots: int):
+        if not 1 <= nslots <= MAX_SLOTS:  # else handing a slot back could block on a full pipe (ring.MAX_SLOTS)
+            raise ArgumentError(f"a worker's ring holds 1..{MAX_SLOTS} slots, not {nslots}")
         self.k, self.nslots = k, nslots
         self.cmd, self.out, self.free, self.ready = [], [], [], []
         self.slots: list[list[torch.Tensor | None]] = [[None] * nslots for _ in range(k)]

@@ -145,6 +145,9 @@ def safe_relpath(path, where: str) -> str:
 
 
 _FIX = "the manifest was edited or damaged: rerun `userwise preshard`"
+# The most rows a manifest may say one shard holds: far above any shard preshard writes (a few hundred
+# MiB each), and low enough that no count or offset derived from it overflows an int64.
+MAX_SHARD_ROWS = 1 << 40
 
 
 def _typed(d: dict, key: str, kind: str, where: str, *, nullable: bool = False):
@@ -179,6 +182,12 @@ def validate(m: dict, where: str = MANIFEST) -> dict:
         raise ShardError(f"{where}: manifest lacks {missing}; rerun `userwise preshard`")
     for k, kind in _TOP.items():
         _typed(m, k, kind, where)
+    # the shape, bounded by the data before anything sized by it is made: preshard writes every set's
+    # shards for every rank of every node (empty ones included), so a set has a shard per rank
+    slots, listed = m["nodes"] * m["ranks_per_node"], len(m["shards"])
+    if slots > max(1, listed):
+        raise ShardError(f"{where}: 'nodes' x 'ranks_per_node' = {m['nodes']} x {m['ranks_per_node']} ranks, but "
+                         f"only {listed} shards are listed (preshard lists a shard of every set for every rank); {_FIX}")
     if not all(isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and isinstance(c[1], str)
                for c in m["schema"]):
         raise ShardError(f"{where}: field 'schema' must be a list of [name, type, nullable]; the manifest was "
@@ -211,6 +220,10 @@ def validate(m: dict, where: str = MANIFEST) -> dict:
             raise ShardError(f"{w}: field 'sha256' must be 64 hex digits, got {short(s['sha256'])}")
         if s["node"] >= m["nodes"]:
             raise ShardError(f"{w}: node {s['node']} is outside the set's {m['nodes']} nodes")
+        if s["rank"] >= m["ranks_per_node"]:
+            raise ShardError(f"{w}: rank {s['rank']} is outside the set's {m['ranks_per_node']} ranks per node")
+        if s["rows"] > MAX_SHARD_ROWS:
+            raise ShardError(f"{w}: field 'rows' is {s['rows']}, more than a shard can hold ({MAX_SHARD_ROWS}); {_FIX}")
         if s.get("gds_path") is not None:
             safe_relpath(_typed(s, "gds_path", "str", w), f"{w}.gds_path")
             _typed(s, "gds_bytes", "int>=0", w)
@@ -223,6 +236,13 @@ def validate(m: dict, where: str = MANIFEST) -> dict:
     if len(set(paths)) != len(paths):
         dup = next(p for p in paths if paths.count(p) > 1)
         raise ShardError(f"{where}: the path {short(dup)} is listed twice; the manifest was edited or damaged")
+    rows = dict.fromkeys(sets, 0)
+    for s in m["shards"]:
+        rows[s["set"]] += s["rows"]
+    for i, st in enumerate(m["sets"]):
+        if st["rows"] != rows[st["id"]]:
+            raise ShardError(f"{where}: sets[{i}]: field 'rows' is {st['rows']}, but its shards hold "
+                             f"{rows[st['id']]} rows; {_FIX}")
     return m
 
 
