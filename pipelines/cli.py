@@ -322,6 +322,9 @@ def _replay_args(p):
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="where the model and the device tier run (default: cuda if available, else cpu)")
     p.add_argument("--max-requests", type=_pos_int, metavar="COUNT", help="each node's first requests only")
+    p.add_argument("--verify", choices=["checksum", "size", "none"], default="checksum",
+                   help="how the shards are checked against the manifest before they are read, as the loader does "
+                        "(every footer and page is checked in each mode)")
 
 
 def _backfill_args(p):

@@ -40,10 +40,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import math
 import os
-import tempfile
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -51,12 +59,14 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
-from userwise.pipelines.errors import ShardError, UserwiseError
+from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
 from userwise.pipelines.loader.jagged import np_offsets, np_segment_ids
+from userwise.pipelines.loader.reading import open_parquet, read_row_groups
+from userwise.pipelines.loader.shards import VERIFY, open_node
 from userwise.pipelines.runtime import progress
+from userwise.pipelines.runtime.ship import private_tmp
 from userwise.pipelines.serve.chain import Chain
 from userwise.pipelines.serve.incremental import Candidates, Events, empty_state, extend, full_scores, score
 from userwise.pipelines.serve.routing import nodes_of
@@ -225,20 +235,28 @@ def _check_build_chains(t: pa.Table, hashes: np.ndarray, seq_offsets: np.ndarray
 
 
 def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None = None,
-               verify: str = "size") -> Trace:
+               verify: str = "checksum") -> Trace:
     """Read a shard set (its root, or one node's staged copy) into a :class:`Trace` routed
-    to ``serving_nodes`` nodes. ``max_seq_len``: the L the model was trained with (default:
-    the longest span of any request, which the pointer rule makes L wherever a user has L
-    events); every request must see ``[max(0, seq_end - L), seq_end)``. ``verify``: how the
-    shards' files are checked against the manifest (``checksum``, ``size``, ``none``).
+    to ``serving_nodes`` nodes (at most one per user of the trace). ``max_seq_len``: the L
+    the model was trained with (default: the longest span of any request, which the pointer
+    rule makes L wherever a user has L events); every request must see
+    ``[max(0, seq_end - L), seq_end)``. ``verify``: how the shards' files are checked
+    against the manifest before they are read, the loader's modes (``checksum``: size and
+    sha256, ``size``, ``none``). The shards are read by the loader's reader
+    (:func:`~userwise.pipelines.loader.shards.open_node`, then
+    :func:`~userwise.pipelines.loader.reading.read_row_groups`): every footer checked against
+    the manifest and every page against its CRC in each mode, so a damaged file is a
+    :class:`ShardError` naming it, never a trace of other data.
 
     Example::
 
         trace = read_trace("shards", serving_nodes=4)
         for req in trace.requests(0): ...
     """
-    if int(serving_nodes) < 1:
-        raise UserwiseError(f"serving_nodes={serving_nodes}: replay on at least one serving node")
+    if isinstance(serving_nodes, bool) or not isinstance(serving_nodes, (int, np.integer)) or serving_nodes < 1:
+        raise ArgumentError(f"serving_nodes={serving_nodes!r}: replay on at least one serving node (an integer)")
+    if verify not in VERIFY:
+        raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
     root = os.fspath(shards)
     man = mf.load(root)
     where = mf.join(root, mf.MANIFEST)
@@ -252,28 +270,23 @@ def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None =
         raise UserwiseError(f"{where}: {e}") from None
     staged = man.get("staged_node")
     nodes = [int(staged)] if staged is not None else list(range(int(man["nodes"])))
-    shard_list = [s for k in nodes for s in mf.node_shards(man, k)]
     seq_cols = [fields.item[0], *[s for s, _ in fields.side], *([fields.action] if fields.action else [])]
     imp_cols = [fields.item[1], *[i for _, i in fields.side], *fields.labels]
     req_cols = ["req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps"]
-    fs, base = mf.resolve(root)
     tables = []
-    for s in shard_list:
-        mf.check_files(root, s, verify=verify)
-        path = mf.join(base, s["path"])
-        try:
-            pf = pq.ParquetFile(fs.open_input_file(path))
-        except Exception as e:  # noqa: BLE001 (any footer error is a bad shard)
-            raise ShardError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})") from None
-        have = pf.schema_arrow.names
+    for k in nodes:
+        if not mf.node_shards(man, k):  # a training node without shards holds no request
+            continue
+        node = open_node(root, k, verify=verify)  # the loader's checks: files, footers against the manifest
+        have = node.schema.names
         chain = [c for c in CHAIN_COLUMNS if c in have]
         want = ["sample_id", "user", *seq_cols, *(["seq_ts"] if "seq_ts" in have else []), *req_cols, *imp_cols,
                 *chain]
         missing = [c for c in want if c not in have]
         if missing:
-            raise ShardError(f"{path}: no column(s) {missing}: not a lean build's shard (the manifest's roles name "
-                             "them)")
-        tables.append(pf.read(columns=want))
+            raise ShardError(f"{where}: no column(s) {missing}: not a lean build's shard set (the manifest's roles "
+                             "name them)")
+        tables.append(_read_node(node, want))
     if not tables:
         raise ShardError(f"{where}: no shards to replay")
     t = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
@@ -281,11 +294,29 @@ def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None =
                   training_nodes=nodes, sets=[x["id"] for x in man["sets"]])
 
 
+def _read_node(node, columns: list) -> pa.Table:
+    """Every row group of one training node's shards (an opened, verified
+    :class:`~userwise.pipelines.loader.shards.NodeShards`), as the loader reads them: each page
+    checked against its CRC, a failed read a :class:`ShardError` naming the file."""
+    files = {}
+
+    def open_file(s: int):
+        if s not in files:
+            files[s] = open_parquet(node.path(s))
+        return files[s]
+
+    return read_row_groups(node, open_file, range(len(node.rg_rows)), columns)
+
+
 def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len, training_nodes, sets) -> Trace:
     S = t.num_rows
     where = mf.join(root, mf.MANIFEST)
     sample_ids = t.column("sample_id").to_numpy().astype(np.int64)
     users = t.column("user").to_pylist()
+    distinct = len(set(users))
+    if serving_nodes > max(distinct, 1):
+        raise UserwiseError(f"serving_nodes={serving_nodes}: more serving nodes than the {distinct} users of "
+                            f"{root}; a node serves whole users, so give at most {max(distinct, 1)}")
     item, n_ev = _flat(t, fields.item[0])
     side = [_flat(t, s)[0] for s, _ in fields.side]
     action = _flat(t, fields.action)[0] if fields.action else np.zeros_like(item)
@@ -367,6 +398,15 @@ def _model(trace: Trace, *, checkpoint, encoder, window, dim, heads, layers, dty
         if not isinstance(cfg, dict) or not isinstance(sd, dict):
             raise UserwiseError(f"{path}: a checkpoint for replay holds {{'config': ReferenceRanker's keyword "
                                 "arguments, 'state_dict': its weights}}")
+        # its config is bounded by its weights (a model of more parameters than the file holds
+        # cannot load them) and by this host, before the model is built
+        sz = _sizes(cfg, f"{path}: config ")
+        held = sum(v.numel() for v in sd.values() if isinstance(v, torch.Tensor))
+        params = _params(sz, cfg.get("encoder", "sample"))
+        if params > held:
+            raise UserwiseError(f"{path}: its config makes a model of at least {params:,} parameters, its weights "
+                                f"hold {held:,}: a config of another model")
+        _check_model(sz, encoder=cfg.get("encoder", "sample"), trace=trace, dtype=dtype, device=device, what=path)
         try:
             model = ReferenceRanker(**cfg)
             model.load_state_dict(sd)
@@ -383,6 +423,9 @@ def _model(trace: Trace, *, checkpoint, encoder, window, dim, heads, layers, dty
     else:
         if encoder == "window" and window is None:
             window = trace.max_seq_len
+        sz = _sizes(dict(dim=dim, heads=heads, layers=layers, side_features=sides, num_labels=labels), "")
+        _check_model(sz, encoder=encoder, trace=trace, dtype=dtype, device=device,
+                     what=f"dim={dim}, heads={heads}, layers={layers}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(seed))
             model = ReferenceRanker(dim=dim, heads=heads, layers=layers, side_features=sides, num_labels=labels,
@@ -524,22 +567,31 @@ def replay(shards, *, serving_nodes: int = 1, checkpoint=None, encoder: str = "s
            dim: int = 32, heads: int = 2, layers: int = 2, dtype: str = "float32", seed: int = 0,
            max_seq_len: int | None = None, page_size: int = 64, device_bytes: int = 256 * MB,
            host_bytes: int = 1024 * MB, disk_bytes: int = 0, cache_dir=None, device=None,
-           max_requests: int | None = None, verify: str = "size",
+           max_requests: int | None = None, verify: str = "checksum",
            make_store: Callable[..., KVStore] | None = None) -> dict:
     """Replay a shard set's requests (``shards``: its root, or a :class:`Trace`) on
     ``serving_nodes`` nodes through the cache and a full recompute; the report (see module
-    doc; docs/serving.md lists its fields).
+    doc; docs/serving.md lists its fields). ``verify``: :func:`read_trace`'s.
 
     The model: loaded from ``checkpoint`` (a torch file ``{"config": ReferenceRanker's keyword
     arguments, "state_dict": its weights}``, optionally ``"version"``), else a
     :class:`ReferenceRanker` of ``dim``, ``heads``, ``layers``, ``encoder`` (``window``:
     default L) with weights drawn from ``seed``, its side-info features and labels from the
     shard set's roles; cast to ``dtype`` (``"float32"`` or ``"float64"``) on ``device``
-    (default CUDA when there is one). Each node's :class:`KVStore` has pages of ``page_size``
-    events and ``device_bytes``, ``host_bytes`` and ``disk_bytes`` (its files in
-    ``cache_dir``/node-K, default a temporary folder); ``make_store(node=..., **kwargs)``
-    builds it instead (a test's broken cache). ``max_requests``: the first requests of each
-    node only.
+    (``"cpu"`` or ``"cuda"``; default CUDA when there is one). Each node's :class:`KVStore` has
+    pages of ``page_size`` events and ``device_bytes``, ``host_bytes`` and ``disk_bytes``;
+    ``make_store(node=..., **kwargs)`` builds it instead (a test's broken cache).
+    ``max_requests``: the first requests of each node only.
+
+    Sizes are bounded before anything is built: the device and host tiers by the memory the
+    device and the host have (:class:`KVStore`'s check), serving nodes by the trace's users,
+    the model (at most :data:`MAX_LAYERS` layers; a checkpoint's config by its weights) and
+    its working memory by the memory available, the disk tier by the free space of its folder.
+
+    The disk tier's files live in a folder of this run only, ``userwise-replay-HOST-PID-XXXXXXXX``
+    (0700) under ``cache_dir`` (default ``<tmp>/userwise-<uid>/replay``: this user's alone, 0700,
+    owner checked; never a shared temporary folder itself), removed when the run ends, fails or is interrupted; a folder a
+    killed run left (its process gone) is removed by the next replay on the same folder.
 
     Example::
 
@@ -547,38 +599,245 @@ def replay(shards, *, serving_nodes: int = 1, checkpoint=None, encoder: str = "s
         assert r["equality"]["over_tolerance"] == 0
     """
     if dtype not in DTYPES:
-        raise UserwiseError(f"dtype={dtype!r}: use float32 or float64")
-    if page_size < 1 or min(device_bytes, host_bytes, disk_bytes) < 0:
-        raise UserwiseError(f"page_size={page_size}, device_bytes={device_bytes}, host_bytes={host_bytes}, "
-                            f"disk_bytes={disk_bytes}: use a page size >= 1 and byte limits >= 0")
-    if max_requests is not None and int(max_requests) < 1:
-        raise UserwiseError(f"max_requests={max_requests}: use at least 1 (or None: every request)")
+        raise ArgumentError(f"dtype={dtype!r}: use float32 or float64")
+    expect(page_size, "int>=1", "page_size")
+    for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
+                or v < 0:
+            raise ArgumentError(f"{name}={v!r}: a tier's byte limit is a finite number >= 0")
+    device_bytes, host_bytes, disk_bytes = int(device_bytes), int(host_bytes), int(disk_bytes)
+    expect(max_requests, "int>=1", "max_requests", nullable=True)
+    if not -(1 << 63) <= expect(seed, "int", "seed") < 1 << 64:
+        raise ArgumentError(f"seed={seed}: a seed is an integer in [-2**63, 2**64)")
     wall0 = time.perf_counter()
+    dev = _device(device)
+    # the store's own check of the tiers (within what the device and the host have), before anything is read
+    for flags, host in (("--device-mb", 0), ("--host-mb" if dev.type == "cuda" else "--device-mb + --host-mb",
+                                              host_bytes)):
+        try:
+            KVStore(page_size=page_size, device_bytes=device_bytes, host_bytes=host, device=dev)
+        except ArgumentError as e:
+            raise UserwiseError(f"{flags}: {e}") from None
     trace = shards if isinstance(shards, Trace) else read_trace(shards, serving_nodes=serving_nodes,
                                                                 max_seq_len=max_seq_len, verify=verify)
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model, version, desc = _model(trace, checkpoint=checkpoint, encoder=encoder, window=window, dim=dim, heads=heads,
                                   layers=layers, dtype=dtype, seed=seed, device=dev)
     desc["max_seq_len"] = trace.max_seq_len
     tol = TOLERANCE[dtype]
     read_s = time.perf_counter() - wall0
     nodes, timing = [], []
-    with tempfile.TemporaryDirectory(prefix="userwise-replay-") as tmp:
+    with _scratch(cache_dir if disk_bytes else None, disk_bytes) as run:
         for k in range(trace.serving_nodes):
-            folder = os.path.join(os.fspath(cache_dir) if cache_dir is not None else tmp, f"node-{k}") \
-                if disk_bytes else None
-            kw = dict(page_size=page_size, device_bytes=int(device_bytes), host_bytes=int(host_bytes),
-                      disk_bytes=int(disk_bytes), folder=folder, device=dev)
+            folder = os.path.join(run, f"node-{k}") if run is not None else None
+            kw = dict(page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes,
+                      folder=folder, device=dev, max_seq_len=trace.max_seq_len)
             store = make_store(node=k, **kw) if make_store is not None else KVStore(**kw)
-            rep, tm = _node(trace, k, model, version, store, page_size=page_size, tol=tol, device=dev,
-                            max_requests=max_requests)
+            try:
+                rep, tm = _node(trace, k, model, version, store, page_size=page_size, tol=tol, device=dev,
+                                max_requests=max_requests)
+            finally:  # a node's files go when it is done: the disk holds one node's at a time
+                close = getattr(store, "close", None)
+                if callable(close):
+                    close()
+                del store
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
             nodes.append(rep)
             timing.append(tm)
             progress.say(f"replay: serving node {k}: {rep['requests']:,} requests, {tm['cached_s']:.1f} s cached, "
                          f"{tm['full_s']:.1f} s full recompute")
     return _report(trace, nodes, timing, desc=desc, tol=tol, cache=dict(
-        page_size=page_size, device_bytes=int(device_bytes), host_bytes=int(host_bytes), disk_bytes=int(disk_bytes)),
+        page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes),
         read_s=read_s, wall_s=time.perf_counter() - wall0, device=dev)
+
+
+# -- bounds ---------------------------------------------------------------------------------
+# The deepest model replay builds (a seeded one or a checkpoint's config): each layer is a
+# few Python modules, so a depth like 100,000 takes minutes and gigabytes before the first
+# request, whatever its width.
+MAX_LAYERS = 1024
+
+
+def _device(device) -> torch.device:
+    """``device`` (default CUDA when there is one, else the CPU) as a torch device that exists here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ArgumentError(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ArgumentError(f"device={device!r}: replay runs on 'cpu' or 'cuda'")
+    if not torch.cuda.is_available():
+        raise UserwiseError(f"device={device!r} (--device): no CUDA device here; use --device cpu, or leave it out "
+                            "(CUDA when there is one)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserwiseError(f"device={device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of this host's memory, a cgroup's limit counted; None where unknown."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {}
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    info[name] = int(parts[0]) * 1024
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    except OSError:
+        pass
+    if total is None:
+        total = _sysconf_bytes("SC_PHYS_PAGES")
+    if avail is None:
+        avail = _sysconf_bytes("SC_AVPHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit)) if total is not None else int(limit)
+            avail = min(avail, int(limit)) if avail is not None else int(limit)
+    except OSError:
+        pass
+    return total, avail
+
+
+def _sysconf_bytes(name: str) -> int | None:
+    try:
+        return os.sysconf(name) * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / MB:,.0f} MiB"
+
+
+def _sizes(cfg: dict, where: str) -> dict:
+    """The sizes a :class:`ReferenceRanker` of keyword arguments ``cfg`` is built with (its
+    defaults where ``cfg`` has none), each checked to be an integer."""
+    defaults = {k: v.default for k, v in inspect.signature(ReferenceRanker.__init__).parameters.items()
+                if v.default is not inspect.Parameter.empty}
+    out = {}
+    for k in ("dim", "heads", "layers", "side_features", "num_labels", "item_buckets", "side_buckets",
+              "action_buckets"):
+        kind = "int>=1" if k in ("dim", "heads", "item_buckets", "side_buckets", "action_buckets") else "int>=0"
+        out[k] = expect(cfg.get(k, defaults[k]), kind, f"{where}{k}", error=UserwiseError)
+    return out
+
+
+def _params(sz: dict, encoder: str) -> int:
+    """A lower bound of the parameters of a :class:`ReferenceRanker` of sizes ``sz``: its
+    embeddings, blocks, target projections and head (Python integers: never overflows)."""
+    d = sz["dim"]
+    blocks = sz["layers"] if encoder != "none" else 0
+    emb = (sz["item_buckets"] + sz["side_features"] * sz["side_buckets"] + sz["action_buckets"]) * d
+    return emb + blocks * (12 * d * d + 13 * d) + 3 * (d * d + d) + 2 * d * d + d + (d + 1) * sz["num_labels"]
+
+
+def _check_model(sz: dict, *, encoder: str, trace: Trace, dtype: str, device: torch.device, what: str) -> int:
+    """At most :data:`MAX_LAYERS` layers, and the model with its working memory (the K/V of
+    the longest sample's events in every layer, a block's activations) within the memory
+    available where it runs; returns its parameters (a lower bound)."""
+    d, layers = sz["dim"], sz["layers"]
+    if layers > MAX_LAYERS:
+        raise UserwiseError(f"{what}: {layers:,} layers; replay builds models of at most {MAX_LAYERS:,} layers "
+                            "(--layers)")
+    params = _params(sz, encoder)
+    elem = torch.finfo(DTYPES[dtype]).bits // 8
+    n = int(np.diff(trace.seq_offsets).max()) if len(trace.seq_offsets) > 1 else 0
+    m = int(np.diff(trace.imp_offsets[trace.req_offsets]).max()) if len(trace.req_offsets) > 1 else 0
+    work = (3 * 2 * layers * n * d + 16 * (n + m) * d) * elem
+    _, host_avail = _host_memory()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        needs = [("this host's", params * 4, host_avail), (f"{device}'s", params * elem + work, free)]
+    else:
+        needs = [("this host's", params * 4 + (params * elem if elem != 4 else 0) + work, host_avail)]
+    for where, need, avail in needs:
+        if avail is not None and need > avail:
+            raise UserwiseError(f"{what}: a model of {params:,} parameters ({layers:,} layers of dim {d:,}) and its "
+                                f"working memory over samples of up to {n:,} events need about {_mib(need)} of "
+                                f"{where} memory, {_mib(avail)} are available; use a smaller --dim or --layers")
+    return params
+
+
+# -- the disk tier's folder -----------------------------------------------------------------
+_RUN = re.compile(r"^userwise-replay-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _sweep(root: str) -> None:
+    """Remove the run folders under ``root`` that a replay on this host, of this user, left
+    when it was killed (its process is gone); never another user's, a link, or a live run's."""
+    me, uid = _host(), os.getuid()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = _RUN.match(name)
+        if not m or m["host"] != me:
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not _alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _scratch(cache_dir, disk_bytes: int):
+    """The folder of this run's disk tier (None without one): a new 0700 folder under
+    ``cache_dir`` or this user's private temporary folder, removed on the way out (an error
+    or an interrupt included); stale folders of killed runs there are removed first."""
+    if not disk_bytes:
+        yield None
+        return
+    if cache_dir is None:  # this user's folder alone (0700, owner checked), never the shared one itself
+        root = os.fspath(private_tmp("replay"))
+    else:
+        root = os.fspath(cache_dir)
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except FileExistsError:
+            raise UserwiseError(f"{root}: a file, not a folder; give --cache-dir a folder") from None
+    _sweep(root)
+    free = shutil.disk_usage(root).free
+    if disk_bytes > free:
+        raise UserwiseError(f"disk_bytes (--disk-mb) = {_mib(disk_bytes)}: more than the {_mib(free)} free at {root}; "
+                            "give less, or another --cache-dir")
+    while True:
+        run = os.path.join(root, f"userwise-replay-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(run, 0o700)
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield run
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def _report(trace: Trace, nodes: list, timing: list, *, desc, tol, cache, read_s, wall_s, device) -> dict:
@@ -629,12 +888,14 @@ def cli(args) -> int:
     training forward by more than the tolerance."""
     from userwise.pipelines import console
 
-    r = replay(args.shards, serving_nodes=args.serving_nodes, checkpoint=args.checkpoint, encoder=args.encoder,
-               window=args.window, dim=args.dim, heads=args.heads, layers=args.layers, dtype=args.dtype,
-               seed=args.seed, max_seq_len=args.max_seq_len, page_size=args.page_size,
-               device_bytes=int(args.device_mb * MB), host_bytes=int(args.host_mb * MB),
-               disk_bytes=int(args.disk_mb * MB), cache_dir=args.cache_dir, device=args.device,
-               max_requests=args.max_requests)
+    tiers = {t: _bytes_of(getattr(args, f"{t}_mb"), f"--{t}-mb") for t in TIERS}
+    with _terminate_as_interrupt():  # a SIGTERM cleans up as Ctrl-C does: the disk tier's folder goes
+        r = replay(args.shards, serving_nodes=args.serving_nodes, checkpoint=args.checkpoint, encoder=args.encoder,
+                   window=args.window, dim=args.dim, heads=args.heads, layers=args.layers, dtype=args.dtype,
+                   seed=args.seed, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                   device_bytes=tiers["device"], host_bytes=tiers["host"], disk_bytes=tiers["disk"],
+                   cache_dir=args.cache_dir, device=args.device, max_requests=args.max_requests,
+                   verify=args.verify)
     console.emit(r, report_text)
     eq = r["equality"]
     if not eq["equal"]:
@@ -644,6 +905,32 @@ def cli(args) -> int:
             f"{eq['max_abs_diff_training']:.3g}; tolerance {eq['tolerance']:g}): the cache served K/V that do not "
             "encode the request's events (a stale entry, or a model that is not prefix-stable)")
     return 0
+
+
+def _bytes_of(mib, flag: str) -> int:
+    """A ``--*-mb`` flag's MiB as bytes: a finite number >= 0, else one error line."""
+    b = float(mib) * MB
+    if not math.isfinite(b) or b < 0:
+        raise UserwiseError(f"{flag} {mib}: give a number of MiB >= 0")
+    return int(b)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt while the block runs (in the main thread), so the
+    ``finally`` blocks that remove the run's files run on a ``kill`` as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def report_text(r: dict) -> str:
