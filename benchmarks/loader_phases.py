@@ -55,7 +55,7 @@ def loader_epoch_cpu(ds, epoch: int) -> dict:
     acc = dict.fromkeys(PHASES, 0.0)
     acc["samples"] = 0
     pt = time.process_time
-    for buf in ds._plan(epoch).buffers:
+    for buf in ds.epochs.plan(epoch).buffers:
         if not len(buf.rgs):
             continue
         t0 = pt()
@@ -90,7 +90,7 @@ def gather_cpu(ds, epoch: int) -> float:
     from userwise.pipelines.loader.jagged import np_ranges
 
     total = 0.0
-    for buf in ds._plan(epoch).buffers:
+    for buf in ds.epochs.plan(epoch).buffers:
         if not len(buf.rgs):
             continue
         cols = decode.from_arrow(ds._read_table(buf.rgs), "bench")
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         ds = UserwiseDataset(root, **size, world_size=1, rank=0, verify="none", seed=1,
                              device="cpu", batch_order=a.batch_order,
                              buffer_row_groups=a.buffer_row_groups if a.buffer_row_groups == "auto" else int(a.buffer_row_groups))
-        ds.read_threads = False
+        ds.set_read_threads(False)
         loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
         rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}
         samples = set()

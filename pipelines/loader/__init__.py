@@ -23,7 +23,9 @@ Modules, from the shard files to the trainer:
   batch counts, shuffle, batch cuts).
 - ``distributed``: the local rank and world size, and the one all-reduce by which the ranks
   of several nodes agree on an epoch's batch counts.
-- ``dataset``: :class:`UserwiseDataset`: plans one rank's epochs and turns each planned buffer
+- ``epochs``: :class:`~userwise.pipelines.loader.epochs.Epochs`, the one owner of a rank's epoch
+  plans (the current one and one made ahead), the cursor and resume (``dataset.epochs``).
+- ``dataset``: :class:`UserwiseDataset`: checks its arguments and turns each buffer of a plan
   into its batches.
 - ``reading``: Parquet row groups read as Arrow tables (files kept open per process and
   thread, pages CRC-checked, the read-ahead lanes).
@@ -38,11 +40,13 @@ Modules, from the shard files to the trainer:
 - ``segcopy`` and ``kernels``: the segmented copy (numba, or numpy without it).
 - ``assemble``: the host assembler; ``assemble_torch``: the device assembler (GDS path).
 - ``batch``: :class:`JaggedBatch` and :func:`expand_batch`.
-- ``ring``: a worker's ring of reused shared-memory batch buffers.
+- ``ring``: a worker's ring of reused shared-memory batch buffers, and the messages on its pipes
+  (``Work``, ``Ready``, ``Done``, ``Failed``).
 - ``lifeline``: how a worker process ends with its trainer, however the trainer ends.
 - ``workers``: the persistent worker processes and their pool.
 - ``pinned``: the pool of pinned host buffers, and page-locking workers' slots (CUDA).
-- ``loader``: :class:`UserwiseLoader` (workers, pinned copies, side-stream prefetch, state).
+- ``loader``: :class:`UserwiseLoader` (workers, pinned copies, side-stream prefetch; its state is
+  its dataset's ``epochs``).
 - ``resume``: the loader's state: what it records, what a loaded state must match, and the
   exact remap of a mid-epoch change of world size or batch cut by the samples consumed.
 - ``diagnose``: ``userwise diagnose``, the three-step bottleneck test.

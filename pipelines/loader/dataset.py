@@ -1,8 +1,8 @@
 """The dataset: one rank's plan over one node's staged shards, and its batches.
 
-:class:`UserwiseDataset` checks its arguments, plans each epoch (:mod:`plan`, with the
-holdout, the cross-node agreement of :mod:`distributed` and what a resumed state
-already consumed, :mod:`resume`), and turns each planned buffer into its batches: read
+:class:`UserwiseDataset` checks its arguments, hands what decides the plan to its
+:class:`~userwise.pipelines.loader.epochs.Epochs` (``dataset.epochs``: the epoch plans, the
+cursor and resume), and turns each planned buffer into its batches: read
 (Parquet, :mod:`reading`; or GDS side files, :mod:`gpudirect`), checked and decoded
 (:mod:`decode`), assembled (:mod:`assemble` on the host, :mod:`assemble_torch` on the
 device). The loader (:mod:`loader`) and its workers iterate it.
@@ -20,10 +20,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
-from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect, resume
+from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect
 from userwise.pipelines.loader.assemble import Prepared
 from userwise.pipelines.loader.batch import as_device
-from userwise.pipelines.loader.plan import RankPlan, assign, check_batch_order, holdout, plan_node
+from userwise.pipelines.loader.epochs import Epochs
+from userwise.pipelines.loader.plan import PlanSettings, RankPlan, check_batch_order
 from userwise.pipelines.loader.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
 from userwise.pipelines.loader.shards import VERIFY, NodeShards, open_node
 
@@ -44,6 +45,12 @@ def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
     if rg_bytes is not None and len(rg_bytes):
         k = min(k, int(BUFFER_BYTES // max(float(np.mean(rg_bytes)), 1.0)))
     return max(2, k)
+
+
+def _setting(name: str, doc: str) -> property:
+    """A read-only view of one of the plan's settings (:class:`~userwise.pipelines.loader.plan.PlanSettings`,
+    owned by the dataset's :class:`~userwise.pipelines.loader.epochs.Epochs`)."""
+    return property(lambda self: getattr(self.epochs.settings, name), doc=doc)
 
 
 class UserwiseDataset(IterableDataset):
@@ -85,6 +92,10 @@ class UserwiseDataset(IterableDataset):
         device: the device batches are for (only decides the GDS path; default cuda if available).
         all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
             agree on batch counts with one all-reduce (max) per epoch. Default True.
+
+    ``dataset.epochs`` (:class:`~userwise.pipelines.loader.epochs.Epochs`) plans this rank's
+    epochs and holds where the iteration is (epoch, cursor, a loaded state); the arguments that
+    decide the plan read back as read-only attributes (``ds.seed``, ``ds.rank``...).
 
     Every argument is checked before a file is opened (an
     :class:`~userwise.pipelines.errors.ArgumentError`, also a ``ValueError``); a shard set
@@ -131,28 +142,22 @@ class UserwiseDataset(IterableDataset):
         if verify not in VERIFY:
             raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
         device = as_device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.shards: NodeShards = open_node(root, node, verify=verify)
+        self._shards: NodeShards = open_node(root, node, verify=verify)
+        sh = self._shards
         dr, dw = distributed.rank_world()
-        self.rank = dr if rank is None else int(rank)
-        self.world_size = dw if world_size is None else int(world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ArgumentError(f"rank {self.rank} is outside world size {self.world_size}")
-        self.batch_size, self.token_budget = batch_size, token_budget
-        self.seed, self.shuffle = int(seed), bool(shuffle)
-        self.batch_order = check_batch_order(batch_order)
+        rank = dr if rank is None else int(rank)
+        world_size = dw if world_size is None else int(world_size)
+        if not 0 <= rank < world_size:
+            raise ArgumentError(f"rank {rank} is outside world size {world_size}")
+        batch_order = check_batch_order(batch_order)
         if buffer_row_groups == "auto":
-            buffer_row_groups = auto_buffer_row_groups(self.shards.rg_rows, self.shards.rg_bytes)
-        self.buffer_row_groups = int(buffer_row_groups)
-        self.split, self.eval_user_share, self.eval_seed = split, float(share), int(eval_seed)
-        self.all_reduce_targets = all_reduce_targets
-        man = self.shards.manifest
-        kinds = {s["id"]: s["kind"] for s in man["sets"]}
-        pick = lambda sel: [i for i, sid in enumerate(self.shards.sets) if sid in sel or kinds[sid] in sel]  # noqa: E731
-        self.set_idx = list(range(len(self.shards.sets))) if sets is None else pick(set(sets))
-        if sets is not None and not self.set_idx:
-            raise ShardError(f"{root}: no set matches {sets}; the manifest has {self.shards.sets}")
-        self.eval_set_idx = set(pick(set(eval_sets)))
-        names = self.shards.schema.names
+            buffer_row_groups = auto_buffer_row_groups(sh.rg_rows, sh.rg_bytes)
+        kinds = {s["id"]: s["kind"] for s in sh.manifest["sets"]}
+        pick = lambda sel: [i for i, sid in enumerate(sh.sets) if sid in sel or kinds[sid] in sel]  # noqa: E731
+        set_idx = list(range(len(sh.sets))) if sets is None else pick(set(sets))
+        if sets is not None and not set_idx:
+            raise ShardError(f"{root}: no set matches {sets}; the manifest has {sh.sets}")
+        names = sh.schema.names
         if columns is not None:
             bad = [c for c in columns if c not in names]
             if bad:
@@ -160,109 +165,69 @@ class UserwiseDataset(IterableDataset):
             columns = [c for c in names if c in set(columns) | set(REQUIRED)]
         self.columns = columns or list(names)
         self.device = device
-        self.data_path = gpudirect.choose_path(self.shards, gds, self.device)
-        self.epoch = 0
-        self._start = 0
-        self._plans: dict[int, RankPlan] = {}  # this rank's plans by epoch: the current one, one made ahead
-        self._resumed: tuple[int, list] | None = None  # (epoch, the runs that consumed part of it: resume.py)
-        self._owner = None
-        self._keep_cache = None
-        self.read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
-        self.memory_map = True  # staged shards are local files: map them instead of copying through read()
-        self.read_pool = read_pool()  # checked here, before any worker starts
+        self.epochs = Epochs(PlanSettings(
+            shards=sh, rank=rank, world_size=world_size, batch_size=batch_size, token_budget=token_budget,
+            seed=int(seed), shuffle=bool(shuffle), batch_order=batch_order, buffer_row_groups=int(buffer_row_groups),
+            set_idx=tuple(set_idx), split=split, eval_set_idx=frozenset(pick(set(eval_sets))),
+            eval_user_share=float(share), eval_seed=int(eval_seed), all_reduce_targets=all_reduce_targets))
+        self._data_path = gpudirect.choose_path(sh, gds, self.device)
+        self._empty_src = None  # what an empty batch is made from (read once, when one is due)
+        self._read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
+        self._memory_map = True  # staged shards are local files: map them instead of copying through read()
+        self._read_pool = read_pool()  # checked here, before any worker starts
         self._files = ShardFiles()  # open shard files and read-ahead lanes, per process
 
-    # -- plan ------------------------------------------------------------------
-    def _rank_plans(self, epoch: int | None = None) -> list[RankPlan]:
-        """Plans of every rank of this node for ``epoch`` (default the current one)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        sh = self.shards
-        weight = sh.rg_rows if self.token_budget is None else np.array([c.sum() for c in sh.column("cost")])
-        if self._owner is None:
-            self._owner = assign(sh.rg_set, sh.rg_rank, weight, int(sh.manifest["ranks_per_node"]), self.world_size)
-        if self._keep_cache is None:
-            self._keep_cache = holdout(sh.rg_rows, sh.rg_set, split=self.split, eval_set_idx=self.eval_set_idx,
-                                       eval_user_share=self.eval_user_share, eval_seed=self.eval_seed,
-                                       users=sh.column("user") if self.split != "all" and self.eval_user_share > 0
-                                       else None)
-        owner = self._owner
-        costs = sh.column("cost") if self.token_budget is not None else None
-        keep = self._keep_cache
-        if self._resumed is not None and self._resumed[0] == epoch:  # what the saved runs left of the epoch
-            keep = resume.remaining(self, epoch, self._resumed[1], keep)
-        kw = dict(rg_rows=sh.rg_rows, rg_set=sh.rg_set, rg_owner=owner, keep=keep, costs=costs,
-                  sets=self.set_idx, world=self.world_size, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                  batch_order=self.batch_order, buffer_rgs=self.buffer_row_groups, batch_size=self.batch_size,
-                  token_budget=self.token_budget)
-        plans, targets = plan_node(**kw)
-        agreed = self._cross_node_targets(targets)
-        if agreed != targets:
-            plans, _ = plan_node(**kw, targets=agreed)
-        return plans
+    # -- what it was made with (the plan's settings, read-only) -------------------------
+    rank = _setting("rank", "This dataset's local rank.")
+    world_size = _setting("world_size", "Ranks sharing this node's shards.")
+    batch_size = _setting("batch_size", "Samples per batch (None with a token budget and no batch size).")
+    token_budget = _setting("token_budget", "Events + impressions per batch at most, or None.")
+    seed = _setting("seed", "The shuffle seed.")
+    shuffle = _setting("shuffle", "Whether row groups and samples are shuffled.")
+    batch_order = _setting("batch_order", "The order of the samples inside a batch: 'stored' or 'shuffled'.")
+    buffer_row_groups = _setting("buffer_row_groups", "Row groups per shuffle buffer.")
+    set_idx = _setting("set_idx", "The selected sets (their positions in the manifest), in training order.")
+    split = _setting("split", "'all', 'train' or 'eval'.")
+    eval_set_idx = _setting("eval_set_idx", "The held-out sets (positions in the manifest).")
+    eval_user_share = _setting("eval_user_share", "The seeded share of users held out.")
+    eval_seed = _setting("eval_seed", "The seed of the held-out users.")
+    all_reduce_targets = _setting("all_reduce_targets", "Whether nodes agree on batch counts with an all-reduce.")
 
-    def _spans_nodes(self) -> bool:
-        """Planning an epoch takes one all-reduce (:func:`distributed.spans_nodes`)."""
-        return distributed.spans_nodes(self.world_size, self.all_reduce_targets)
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration plans (:attr:`epochs`)."""
+        return self.epochs.epoch
 
-    def _cross_node_targets(self, targets: dict) -> dict:
-        """The batches per set every rank of the job agrees on: this node's, or with
-        :meth:`_spans_nodes` the max over all nodes (:func:`distributed.agree_targets`)."""
-        if not self._spans_nodes():
-            return targets
-        return distributed.agree_targets({s: targets[s] for s in self.set_idx})
+    @property
+    def data_path(self) -> str:
+        """The data path batches are read by: ``"parquet"``, ``"gds"`` (side files straight to
+        the device) or ``"gds-host"`` (side files on the host).
 
-    def _plan(self, epoch: int | None = None) -> RankPlan:
-        """This rank's plan (cached per epoch; a plan made ahead for the next epoch is kept)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        p = self._plans.get(epoch)
-        if p is None:
-            p = self._keep_plan(epoch, self._rank_plans(epoch)[self.rank])
-        return p
+        Example::
 
-    def _plan_ahead(self, epoch: int) -> bool:
-        """Plan ``epoch`` now and keep it with the current one: the loader calls this for the
-        next epoch while its workers read their first buffers, so the next epoch does not
-        start with the trainer planning and every worker waiting.
-        Not where planning takes a collective (ranks on other nodes must plan at the same
-        point in their programs). Returns whether the plan is ready."""
-        epoch = int(epoch)
-        if epoch not in self._plans:
-            if self._spans_nodes():
-                return False
-            self._keep_plan(epoch, self._rank_plans(epoch)[self.rank])
-        return True
-
-    def _keep_plan(self, epoch: int, plan: RankPlan) -> RankPlan:
-        """Cache ``plan``, with the plans of the epochs next to it (the current one, or one
-        made ahead) and no others."""
-        self._plans = {e: q for e, q in self._plans.items() if abs(e - epoch) == 1}
-        self._plans[epoch] = plan
-        return plan
+            UserwiseDataset("/nvme/shards", gds="auto").data_path    # 'parquet' without GDS
+        """
+        return self._data_path
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration plans (a new seeded shuffle per epoch), as torch's
-        samplers take it. :class:`UserwiseLoader` sets it itself.
+        samplers take it; its first batch comes next.
 
         Example::
 
             ds.set_epoch(3); batches = list(ds)     # epoch 3's batches of this rank
         """
-        self.epoch = int(epoch)
+        self.epochs.set_epoch(epoch)
 
-    def _set_resumed(self, epoch: int, runs: list | None) -> None:
-        """Plan ``epoch`` without the samples that the saved runs ``runs`` consumed in it
-        (:func:`~userwise.pipelines.loader.resume.remaining`; none: the whole epoch). Drops
-        the plans made for the epochs this changes."""
-        new = (int(epoch), list(runs)) if runs else None
-        if new == self._resumed:
-            return
-        stale = {e for e in (epoch, self._resumed and self._resumed[0]) if e is not None}
-        self._plans = {e: p for e, p in self._plans.items() if e not in stale}
-        self._resumed = new
+    def set_read_threads(self, on: bool) -> None:
+        """Arrow's decode threads on or off in this process (the loader's workers turn them off
+        where they would compete for the cores).
 
-    def _runs_resumed(self, epoch: int) -> list:
-        """The saved runs that consumed part of ``epoch`` (empty for a whole epoch)."""
-        return list(self._resumed[1]) if self._resumed is not None and self._resumed[0] == int(epoch) else []
+        Example::
+
+            ds.set_read_threads(False)        # decode in the calling thread only
+        """
+        self._read_threads = bool(on)
 
     @property
     def roles(self) -> dict:
@@ -273,49 +238,55 @@ class UserwiseDataset(IterableDataset):
 
             UserwiseDataset("/nvme/shards").roles["labels"]    # ['click', 'like']
         """
-        return self.shards.roles
+        return self._shards.roles
 
     def __len__(self) -> int:
         """This rank's batches in the current epoch (every rank of the job has as many)."""
-        return self._plan().num_batches
+        return self.epochs.plan().num_batches
 
     # -- reading -------------------------------------------------------------------
     def _read_buffer(self, rgs) -> dict:
         """Decode row groups into flat columns (Parquet, or GDS side files), checked."""
-        sh = self.shards
-        if self.data_path == "parquet":
+        sh = self._shards
+        if self._data_path == "parquet":
             where = sh.path(int(sh.rg_shard[rgs[0]]))
             cols = decode.from_arrow(self._read_table(rgs), where)
         else:
-            cols = gpudirect.read_side_files(sh, rgs, self.columns, self.data_path, self.device)
+            cols = gpudirect.read_side_files(sh, rgs, self.columns, self._data_path, self.device)
             where = sh.gds_path(int(sh.rg_shard[rgs[0]]))
         decode.check_groups(cols, where)
         return cols
 
     def _read_table(self, rgs) -> pa.Table:
         """Row groups ``rgs`` as one Arrow table, as read (:func:`reading.read_row_groups`)."""
-        return read_row_groups(self.shards, self._file, rgs, self.columns, use_threads=self.read_threads)
+        return read_row_groups(self._shards, self._file, rgs, self.columns, use_threads=self._read_threads)
 
     def _file(self, shard: int) -> pq.ParquetFile:
         """The open shard file of this process and thread (:class:`reading.ShardFiles`)."""
-        return self._files.open(self.shards.path(shard), self.memory_map, self.read_pool)
+        return self._files.open(self._shards.path(shard), self._memory_map, self._read_pool)
 
-    def _batches(self, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None, epoch: int | None = None,
+    def batches(self, plan: RankPlan, *, worker: int = 0, num_workers: int = 1, start: int = 0, alloc=None,
                 read_ahead: bool | None = None):
-        """This rank's batches for one worker: buffers ``i % num_workers == worker``,
-        in epoch order, skipping batches before ``start`` (epoch index).
+        """The batches of ``plan`` (this rank's, :attr:`epochs`) for one worker: buffers
+        ``i % num_workers == worker``, in epoch order, skipping batches before ``start`` (epoch
+        index); each batch's buffer from ``alloc(nbytes)`` (default a new host tensor).
 
         ``read_ahead`` (default: when this process decodes alone, ``num_workers <= 1``):
         ``reading.READ_LANES`` threads read the next ``READ_AHEAD`` buffers while this thread shuffles
-        and cuts the current one (Arrow, numpy and the compiled kernels release the GIL)."""
-        plan = self._plan(epoch)
+        and cuts the current one (Arrow, numpy and the compiled kernels release the GIL).
+
+        Example::
+
+            for b in ds.batches(ds.epochs.plan(0), worker=1, num_workers=2):
+                ...                           # epoch 0's batches of every second buffer
+        """
         alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         firsts = plan.first_batch()
-        roles = self.shards.roles
+        roles = self._shards.roles
         mine = [(i, buf) for i, buf in enumerate(plan.buffers)
                 if i % max(1, num_workers) == worker and int(firsts[i]) + buf.num_batches > start]
         if read_ahead is None:
-            read_ahead = num_workers <= 1 and self.data_path != "gds"
+            read_ahead = num_workers <= 1 and self._data_path != "gds"
         pool = self._files.lanes() if read_ahead and len(mine) > 1 else None
         ahead: collections.deque = collections.deque()  # reads in flight, in buffer order
         try:
@@ -333,7 +304,7 @@ class UserwiseDataset(IterableDataset):
                     j = j0 + k
                     if j < start:
                         continue
-                    meta = {"set": self.shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
+                    meta = {"set": self._shards.sets[buf.set_idx], "epoch": plan.epoch, "index": j, "roles": roles}
                     a, b = int(buf.bounds[k]), int(buf.bounds[k + 1])
                     with self._damage_is_a_shard_error(buf):
                         if src is None:
@@ -360,7 +331,7 @@ class UserwiseDataset(IterableDataset):
         except (IndexError, ValueError, OverflowError, MemoryError, KeyError, pa.ArrowException) as e:
             if isinstance(e, UserwiseError):
                 raise
-            sh = self.shards
+            sh = self._shards
             files = sorted({sh.path(int(sh.rg_shard[g])) for g in buf.rgs})
             why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
             raise ShardError(f"{', '.join(files)}: damaged, its data breaks the shard format ({why}); re-stage "
@@ -394,11 +365,11 @@ class UserwiseDataset(IterableDataset):
 
     def _empty(self, meta, alloc):
         # a rank with fewer samples than batches: an empty batch with the full layout
-        if getattr(self, "_empty_src", None) is None:
+        if self._empty_src is None:
             self._empty_src = self._prepare(self._read_buffer([0]))
         return self._gather(self._empty_src, np.zeros(0, np.int64), alloc, meta)
 
     def __iter__(self):
         info = get_worker_info()
         w, k = (0, 1) if info is None else (info.id, info.num_workers)
-        return self._batches(w, k, self._start)
+        return self.batches(self.epochs.plan(), worker=w, num_workers=k)

@@ -23,12 +23,12 @@ import torch
 import torch.multiprocessing as mp
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
-from userwise.pipelines.loader import resume, segcopy
+from userwise.pipelines.loader import segcopy
 from userwise.pipelines.loader.batch import JaggedBatch, as_device, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import PinnedPool
-from userwise.pipelines.loader.ring import MAX_SLOTS, PIPE_BYTES
+from userwise.pipelines.loader.ring import MAX_SLOTS, PIPE_BYTES, Done, Failed, Ready, Work, describe
 from userwise.pipelines.loader.workers import WorkerPool
 
 # The most batches a worker may hold ready: its ring has worker_queue + 2 slots (one the consumer
@@ -141,28 +141,26 @@ class UserwiseLoader:
         if dataset.data_path == "gds" and self.num_workers:
             say_once("userwise loader: the GDS path reads in the main process; num_workers ignored")
             self.num_workers = 0
-        self.epoch = dataset.epoch
-        self.cursor = 0
-        self._samples = 0  # samples in the batches of this epoch handed out (the state's "samples")
-        self._targets: list | None = None  # batches per set of this epoch's plan, once known
-        self._loaded: dict | None = None  # a loaded state, checked against the plan when the epoch is planned
+        self._epochs = dataset.epochs  # the epochs' plans, the cursor and resume: the dataset's
         self.stats = LoaderStats()
         self._pool = PinnedPool(self.prefetch + 2) if self.pin else None
         self._workers: WorkerPool | None = None
         self._last_pinned: list = []
 
     # -- state ---------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields (it moves on when an epoch runs out)."""
+        return self._epochs.epoch
+
+    @property
+    def cursor(self) -> int:
+        """Batches of the epoch already handed out: the next iteration starts there."""
+        return self._epochs.cursor
+
     def state_dict(self) -> dict:
         """Where this rank is and what that depends on (docs/loader.md, Resuming)."""
-        ds = self.dataset
-        st = {"epoch": self.epoch, "cursor": self.cursor, "seed": ds.seed, "samples": self._samples,
-              **resume.identity(ds)}
-        if self.cursor and self._targets is not None:
-            st["targets"] = list(self._targets)
-        runs = ds._runs_resumed(self.epoch)
-        if runs:
-            st["resumed"] = runs
-        return st
+        return self._epochs.state_dict()
 
     def load_state_dict(self, state) -> None:
         """Queue a state for the next iterator: this rank's ``state_dict()``, or the list of
@@ -171,35 +169,23 @@ class UserwiseLoader:
         comparisons); the plan is checked when the epoch is planned, at the next iteration.
         Raises :class:`~userwise.pipelines.loader.resume.LoaderStateError` for a state
         that does not fit this loader."""
-        st = resume.accept(self.dataset, state)
-        self.epoch, self.cursor = int(st.get("epoch", 0)), int(st.get("cursor", 0))
-        self._samples = int(st.get("samples", 0))
-        self._targets = st.get("targets")
-        self._loaded = st if self.cursor else None
-        self.dataset._set_resumed(self.epoch, st.get("resumed"))
+        self._epochs.load_state_dict(state)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.cursor = int(epoch), 0
-        self._samples, self._targets, self._loaded = 0, None, None
-        self.dataset._set_resumed(self.epoch, None)
+        """Start ``epoch`` from its first batch at the next iteration."""
+        self._epochs.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return self.dataset._plan(self.epoch).num_batches
+        return self._epochs.plan().num_batches
 
     # -- iteration -------------------------------------------------------------
     def __iter__(self):
-        epoch, start = self.epoch, self.cursor
-        self.dataset.set_epoch(epoch)
-        plan = self.dataset._plan(epoch)
-        if self._loaded is not None:  # the saved run's plan, made again: the same batches before the cursor
-            resume.check_plan(self.dataset, plan, self._loaded)
-            self._loaded = None
-        self._targets = resume.targets_of(plan, self.dataset.set_idx)
-        self._samples = resume.samples_before(plan, start)
+        ep = self._epochs
+        plan, start = ep.begin()
         if start >= plan.num_batches:  # resumed at the very end of an epoch
-            self._next_epoch(epoch)
+            ep.finish()
             return
-        host = self._host_batches(plan, epoch, start)
+        host = self._host_batches(plan, start)
         dev = self._device_batches(host)
         try:
             while True:
@@ -209,17 +195,12 @@ class UserwiseLoader:
                 except StopIteration:
                     break
                 self.stats.add(b, time.perf_counter() - t0)
-                self.cursor = int(b.meta["index"]) + 1
-                self._samples += b.num_samples
+                ep.handed(int(b.meta["index"]), b.num_samples)
                 yield b
         finally:
             dev.close()
             host.close()
-        self._next_epoch(epoch)
-
-    def _next_epoch(self, epoch: int) -> None:
-        self.epoch, self.cursor, self._samples, self._targets = epoch + 1, 0, 0, None
-        self.dataset._set_resumed(epoch + 1, None)
+        ep.finish()
 
     def _alloc(self):
         if self.dataset.data_path == "gds":  # columns are already in device memory: assemble there
@@ -234,10 +215,10 @@ class UserwiseLoader:
             return buf[:n]
         return alloc
 
-    def _host_batches(self, plan, epoch, start):
+    def _host_batches(self, plan, start):
         ds = self.dataset
         if self.num_workers == 0:
-            for b in ds._batches(0, 1, start, alloc=self._alloc(), epoch=epoch):
+            for b in ds.batches(plan, start=start, alloc=self._alloc()):
                 _count(b)
                 yield b
             return
@@ -253,28 +234,28 @@ class UserwiseLoader:
         pool.busy = True
         for w in range(k):
             try:
-                pool.cmd[w].send((plan, start, k))
+                pool.cmd[w].send(Work(plan, start, k))
             except OSError:  # it exited between epochs: the wait for its first batch reports it
                 pass
-        ds._plan_ahead(epoch + 1)  # while the workers read their first buffers (the trainer waits anyway)
+        self._epochs.plan_ahead(plan.epoch + 1)  # while the workers read their first buffers (the trainer waits anyway)
         alloc = self._alloc() or _host_alloc
         # batches are lent straight out of the ring, no copy: host batches, and on CUDA hosts
         # batches in slots page-locked with cudaHostRegister (copied to the device from there)
         lend = self.zero_copy
-        roles, columns = ds.shards.roles, [None] * k
+        roles, columns = ds.roles, [None] * k
         clean = False
         try:
             for j in range(start, plan.num_batches):
                 w = int(owner[j])
                 pool.reclaim(w)
                 msg = self._get(pool, w)
-                if msg[0] == "error":
-                    if msg[3]:
-                        raise UserwiseError(msg[1])
-                    raise RuntimeError(f"loader worker {w} failed:\n{msg[2]}")
-                if msg[0] != "batch" or msg[1] != j:
-                    raise RuntimeError(f"loader worker {w} sent {msg[:2]} where batch {j} was due")
-                _, _, slot, fresh, n, spec, meta = msg
+                if isinstance(msg, Failed):
+                    if msg.user:
+                        raise UserwiseError(msg.error)
+                    raise RuntimeError(f"loader worker {w} failed:\n{msg.trace}")
+                if not isinstance(msg, Ready) or msg.index != j:
+                    raise RuntimeError(f"loader worker {w} sent {describe(msg)} where batch {j} was due")
+                slot, fresh, n, spec, meta = msg.slot, msg.fresh, msg.nbytes, msg.spec, msg.meta
                 if "columns" in meta:
                     columns[w] = meta["columns"]
                 else:
@@ -295,8 +276,8 @@ class UserwiseLoader:
                 yield b
             for w in range(k):
                 msg = self._get(pool, w)
-                if msg[0] != "done":
-                    raise RuntimeError(f"loader worker {w} sent {msg[:2]} after the last batch of the epoch")
+                if not isinstance(msg, Done):
+                    raise RuntimeError(f"loader worker {w} sent {describe(msg)} after the last batch of the epoch")
             pool.busy = False
             clean = True
         finally:

@@ -23,6 +23,7 @@ import numpy as np
 
 from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.loader.jagged import np_offsets, np_positions
+from userwise.pipelines.loader.shards import NodeShards
 
 # the order of the samples inside one batch (the batch's samples are the same either way)
 BATCH_ORDERS = ("stored", "shuffled")
@@ -85,6 +86,29 @@ def holdout(rg_rows, rg_set, *, split: str, eval_set_idx, eval_user_share: float
             ev = ev | users_out[g]
         keep.append(ev if split == "eval" else ~ev)
     return keep
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What decides one rank's plans besides the epoch: the node's shards and the dataset's
+    (checked) arguments. The dataset makes it once; :class:`~userwise.pipelines.loader.epochs.Epochs`
+    plans from it and :mod:`~userwise.pipelines.loader.resume` checks saved states against it."""
+
+    shards: NodeShards
+    rank: int
+    world_size: int
+    batch_size: int | None
+    token_budget: int | None
+    seed: int
+    shuffle: bool
+    batch_order: str
+    buffer_row_groups: int
+    set_idx: tuple[int, ...]  # the selected sets, in training order
+    split: str
+    eval_set_idx: frozenset[int]
+    eval_user_share: float
+    eval_seed: int
+    all_reduce_targets: bool
 
 
 @dataclass

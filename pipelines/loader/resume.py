@@ -44,9 +44,10 @@ import numpy as np
 
 from userwise.pipelines.errors import UserwiseError, expect
 from userwise.pipelines.loader.jagged import np_offsets
-from userwise.pipelines.loader.plan import RankPlan, assign, plan_node
+from userwise.pipelines.loader.plan import PlanSettings, RankPlan, assign, plan_node
 
-# ``ds`` below is the UserwiseDataset (dataset.py imports this module, so it is not imported here).
+# ``cfg`` below is what decides the plan (:class:`~userwise.pipelines.loader.plan.PlanSettings`); the
+# one owner of the epochs, the cursor and the loaded state is :class:`~userwise.pipelines.loader.epochs.Epochs`.
 
 # What a saved run's consumed samples can be remapped across (by the samples consumed).
 REMAPPED = ("world_size", "batch_size", "token_budget")
@@ -66,23 +67,23 @@ class LoaderStateError(UserwiseError, ValueError):
     """
 
 
-def selection(ds) -> dict:
+def selection(cfg: PlanSettings) -> dict:
     """What decides the plan besides the seed, the ranks and the batch cut."""
-    sets = ds.shards.sets
-    out = {"sets": [sets[i] for i in ds.set_idx], "split": ds.split}
-    if ds.split != "all":
-        out.update(eval_sets=[sets[i] for i in sorted(ds.eval_set_idx)], eval_user_share=ds.eval_user_share,
-                   eval_seed=ds.eval_seed)
-    out.update(shuffle=ds.shuffle, buffer_row_groups=ds.buffer_row_groups)
+    sets = cfg.shards.sets
+    out = {"sets": [sets[i] for i in cfg.set_idx], "split": cfg.split}
+    if cfg.split != "all":
+        out.update(eval_sets=[sets[i] for i in sorted(cfg.eval_set_idx)], eval_user_share=cfg.eval_user_share,
+                   eval_seed=cfg.eval_seed)
+    out.update(shuffle=cfg.shuffle, buffer_row_groups=cfg.buffer_row_groups)
     return out
 
 
-def identity(ds) -> dict:
+def identity(cfg: PlanSettings) -> dict:
     """The part of a state that says which loader saved it."""
-    return {"node": ds.shards.node, "rank": ds.rank, "world_size": ds.world_size,
-            "batch_size": None if ds.token_budget is not None else int(ds.batch_size),
-            "token_budget": None if ds.token_budget is None else int(ds.token_budget),
-            "shards": ds.shards.fingerprint, "plan": selection(ds)}
+    return {"node": cfg.shards.node, "rank": cfg.rank, "world_size": cfg.world_size,
+            "batch_size": None if cfg.token_budget is not None else int(cfg.batch_size),
+            "token_budget": None if cfg.token_budget is None else int(cfg.token_budget),
+            "shards": cfg.shards.fingerprint, "plan": selection(cfg)}
 
 
 def targets_of(plan: RankPlan, set_idx) -> list[int]:
@@ -113,13 +114,13 @@ def _fmt(v) -> str:
     return "none" if v is None else repr(v) if isinstance(v, str) else str(v)
 
 
-def _check_same_set(ds, st: Mapping, mine: dict) -> None:
-    if "seed" in st and int(st["seed"]) != ds.seed:
-        raise _refuse(f"saved with seed {st['seed']}, this dataset has seed {ds.seed}: resume with "
+def _check_same_set(cfg: PlanSettings, st: Mapping, mine: dict) -> None:
+    if "seed" in st and int(st["seed"]) != cfg.seed:
+        raise _refuse(f"saved with seed {st['seed']}, this dataset has seed {cfg.seed}: resume with "
                       f"seed={st['seed']}, or start without load_state_dict")
     if st.get("shards") != mine["shards"]:
         raise _refuse(f"saved on shard set {st.get('shards')}, this loader reads {mine['shards']} "
-                      f"({ds.shards.root}): another or a changed shard set; resume on the set it was saved on, "
+                      f"({cfg.shards.root}): another or a changed shard set; resume on the set it was saved on, "
                       "or start this set without load_state_dict")
     if st.get("node") != mine["node"]:
         raise _refuse(f"saved by a rank of node {st.get('node')}, this loader reads node {mine['node']}: "
@@ -169,15 +170,15 @@ def _changed(st: Mapping, mine: dict) -> list[str]:
     return [f"{k} {_fmt(st.get(k))} -> {_fmt(mine[k])}" for k in REMAPPED if st.get(k) != mine[k]]
 
 
-def accept(ds, state) -> dict:
-    """Check a loaded state (one rank's dict, or a list of every rank's) against ``ds`` and
+def accept(cfg: PlanSettings, state) -> dict:
+    """Check a loaded state (one rank's dict, or a list of every rank's) against ``cfg`` and
     return this rank's state to resume from. Only compares fields (the plan is checked
     when the epoch is planned); raises :class:`LoaderStateError`."""
     if isinstance(state, (list, tuple)):
         for i, s in enumerate(state):
             if isinstance(s, Mapping):
                 check_fields(s, f"loader state [{i}]")
-        return _accept_all(ds, list(state))
+        return _accept_all(cfg, list(state))
     if not isinstance(state, Mapping):
         raise _refuse(f"expected a dict (loader.state_dict()) or a list of every rank's, got {type(state).__name__}")
     unknown = sorted(set(state) - set(FIELDS))
@@ -187,16 +188,16 @@ def accept(ds, state) -> dict:
     if not state:
         return {"epoch": 0, "cursor": 0}
     if "world_size" not in state:  # {epoch, cursor, seed}: the meaning it always had
-        if "seed" in state and int(state["seed"]) != ds.seed:
-            raise _refuse(f"saved with seed {state['seed']}, this dataset has seed {ds.seed}: resume with "
+        if "seed" in state and int(state["seed"]) != cfg.seed:
+            raise _refuse(f"saved with seed {state['seed']}, this dataset has seed {cfg.seed}: resume with "
                           f"seed={state['seed']}, or start without load_state_dict")
         return {"epoch": int(state.get("epoch", 0)), "cursor": int(state.get("cursor", 0))}
-    mine = identity(ds)
-    _check_same_set(ds, state, mine)
+    mine = identity(cfg)
+    _check_same_set(cfg, state, mine)
     changed = _changed(state, mine)
     if not changed:
-        if state.get("rank") != ds.rank:
-            raise _refuse(f"saved by rank {state.get('rank')}, this is rank {ds.rank} of node {mine['node']}: "
+        if state.get("rank") != cfg.rank:
+            raise _refuse(f"saved by rank {state.get('rank')}, this is rank {cfg.rank} of node {mine['node']}: "
                           f"load this rank's own state, or {HOW}")
         return dict(state)
     if int(state["cursor"]) == 0:  # at the epoch's start: every rank of the job is (same batch counts)
@@ -213,18 +214,18 @@ def _fresh(st: Mapping) -> dict:
     return out
 
 
-def _accept_all(ds, states: list) -> dict:
+def _accept_all(cfg: PlanSettings, states: list) -> dict:
     if not states or not all(isinstance(s, Mapping) and "world_size" in s for s in states):
         raise _refuse("a list of states needs every rank's state as loader.state_dict() saves it (states saved "
                       "without world_size carry no rank: load this rank's own state)")
-    mine = identity(ds)
+    mine = identity(cfg)
     here = [s for s in states if s.get("node") == mine["node"]]
     if not here:
         raise _refuse(f"none of the {len(states)} states is of node {mine['node']} (they are of nodes "
                       f"{sorted({s.get('node') for s in states})}): load the states saved on this shard set's "
                       f"node {mine['node']}")
     first = here[0]
-    _check_same_set(ds, first, mine)
+    _check_same_set(cfg, first, mine)
     for k in ("epoch", "seed", "shards", "plan", *REMAPPED, "resumed"):
         vals = {repr(s.get(k)) for s in here}
         if len(vals) > 1:
@@ -237,7 +238,7 @@ def _accept_all(ds, states: list) -> dict:
                       "rank's state exactly once")
     by_rank = {int(s["rank"]): s for s in here}
     if not _changed(first, mine):
-        return dict(by_rank[ds.rank])
+        return dict(by_rank[cfg.rank])
     cursors = [int(by_rank[r]["cursor"]) for r in range(world)]
     if not any(cursors):
         return _fresh(first)
@@ -251,7 +252,7 @@ def _accept_all(ds, states: list) -> dict:
     return {"epoch": int(first["epoch"]), "cursor": 0, "samples": 0, "resumed": [*first.get("resumed", []), seg]}
 
 
-def check_plan(ds, plan: RankPlan, st: Mapping) -> None:
+def check_plan(cfg: PlanSettings, plan: RankPlan, st: Mapping) -> None:
     """The epoch's plan gives the loaded state's first ``cursor`` batches ``samples`` samples
     and each set ``targets`` batches; else the saved run's plan cannot be reproduced."""
     cursor = int(st.get("cursor", 0))
@@ -264,8 +265,8 @@ def check_plan(ds, plan: RankPlan, st: Mapping) -> None:
                       f"of epoch {plan.epoch}, the saved run had {st['samples']}: the plan differs (another "
                       "all_reduce_targets, other nodes' sets, or another loader version); resume as the state was "
                       "saved, or start the epoch again (loader.set_epoch)")
-    if st.get("targets") is not None and cursor and targets_of(plan, ds.set_idx) != list(st["targets"]):
-        raise _refuse(f"this loader plans {targets_of(plan, ds.set_idx)} batches per set for epoch {plan.epoch}, "
+    if st.get("targets") is not None and cursor and targets_of(plan, cfg.set_idx) != list(st["targets"]):
+        raise _refuse(f"this loader plans {targets_of(plan, cfg.set_idx)} batches per set for epoch {plan.epoch}, "
                       f"the saved run had {list(st['targets'])}: the plan differs (another all_reduce_targets, "
                       "other nodes' sets, or another loader version); resume as the state was saved, or start "
                       "the epoch again (loader.set_epoch)")
@@ -285,22 +286,22 @@ def _rows_in(plan: RankPlan, cursor: int, rg_rows: np.ndarray):
         j += b.num_batches
 
 
-def remaining(ds, epoch: int, segments: list, keep: list) -> list:
+def remaining(cfg: PlanSettings, epoch: int, segments: list, keep: list) -> list:
     """``keep`` (per row group: None or a mask of kept rows) without the samples the runs in
     ``segments`` consumed in ``epoch``: each segment's plans are made again as that run made
     them (its world size, batch cut and agreed batches per set, every earlier segment's
     samples already out), and the first ``cursors[r]`` batches of each of its ranks come out."""
-    sh = ds.shards
+    sh = cfg.shards
     left = [np.ones(int(n), bool) if k is None else np.array(k, bool) for k, n in zip(keep, sh.rg_rows)]
     for seg in segments:
         world, budget = int(seg["world_size"]), seg["token_budget"]
         costs = sh.column("cost") if budget is not None else None
         weight = sh.rg_rows if budget is None else np.array([c.sum() for c in costs])
         owner = assign(sh.rg_set, sh.rg_rank, weight, int(sh.manifest["ranks_per_node"]), world)
-        want = dict(zip(ds.set_idx, (int(t) for t in seg["targets"])))
+        want = dict(zip(cfg.set_idx, (int(t) for t in seg["targets"])))
         plans, got = plan_node(rg_rows=sh.rg_rows, rg_set=sh.rg_set, rg_owner=owner, keep=left, costs=costs,
-                               sets=ds.set_idx, world=world, epoch=epoch, seed=ds.seed, shuffle=ds.shuffle,
-                               batch_order="shuffled", buffer_rgs=ds.buffer_row_groups, batch_size=seg["batch_size"],
+                               sets=cfg.set_idx, world=world, epoch=epoch, seed=cfg.seed, shuffle=cfg.shuffle,
+                               batch_order="shuffled", buffer_rgs=cfg.buffer_row_groups, batch_size=seg["batch_size"],
                                token_budget=budget, targets=want)  # the order inside a batch does not matter here
         if got != want:
             raise _refuse(f"the run saved with world_size {world} planned {list(want.values())} batches per set for "

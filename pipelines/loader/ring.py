@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import select
 import struct
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,6 +48,7 @@ class Ring:
         return buf[:n]
 
     def sent(self) -> tuple[int, torch.Tensor | None]:
+        """The slot the last batch went into, and its storage if the trainer has not seen it yet."""
         k, fresh = self.k, self.fresh
         self.fresh = None
         return k, fresh
@@ -66,11 +68,60 @@ PIPE_BYTES = getattr(select, "PIPE_BUF", 512)
 MAX_SLOTS = PIPE_BYTES // SLOT_MESSAGE
 
 
+# The messages on a worker's pipes. Trainer -> worker: Work (one epoch), or None (exit).
+# Worker -> trainer: Ready per batch, in the epoch's order, then Done; or Failed.
+
+
+class Work(NamedTuple):
+    """An epoch's work for one worker: this rank's plan (made once, by the trainer), the first
+    batch to send (a resumed epoch's cursor) and how many workers share the plan's buffers."""
+
+    plan: Any  # plan.RankPlan
+    start: int
+    num_workers: int
+
+
+class Ready(NamedTuple):
+    """Batch ``index`` of the epoch is in the worker's ring slot ``slot``: ``nbytes`` bytes laid
+    out by ``spec`` (:class:`~userwise.pipelines.loader.JaggedBatch`), with its ``meta``
+    (``columns`` only when it changed; ``roles`` never: the trainer has them). ``fresh``: the
+    slot's (new) shared-memory storage, sent once per storage, else None."""
+
+    index: int
+    slot: int
+    fresh: torch.Tensor | None
+    nbytes: int
+    spec: tuple
+    meta: dict
+
+
+class Done(NamedTuple):
+    """The worker sent every batch of its share of the epoch."""
+
+    worker: int
+
+
+class Failed(NamedTuple):
+    """The worker's epoch failed: ``error`` (``Type: message``), its traceback, and whether it
+    is a :class:`~userwise.pipelines.errors.UserwiseError` (then its message is the user's)."""
+
+    error: str
+    trace: str
+    user: bool
+
+
+def describe(msg) -> str:
+    """A message in a few words, for an error that names what came instead of what was due."""
+    if isinstance(msg, Ready):
+        return f"batch {msg.index}"
+    return f"{type(msg).__name__}" if isinstance(msg, (Done, Failed, Work)) else f"{type(msg).__name__} {msg!r:.80}"
+
+
 def send(conn, msg) -> None:
     """One message on a one-way pipe, pickled in the sending thread. Plain messages go
     through the standard pickler; one that carries a shared-memory storage (a fresh ring
     slot) through the multiprocessing pickler, which passes its file descriptor."""
-    if msg[0] == "batch" and msg[3] is not None:
+    if isinstance(msg, Ready) and msg.fresh is not None:
         conn.send(msg)
     else:
         conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))

@@ -25,14 +25,16 @@ from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.lifeline import Lifeline
 from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.pinned import host_register, host_unregister
-from userwise.pipelines.loader.ring import MAX_SLOTS, SLOT, Ring, send
+from userwise.pipelines.loader.ring import MAX_SLOTS, SLOT, Done, Failed, Ready, Ring, Work, send
 
 
 def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False,
                  life: Lifeline | None = None) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next.
 
-    ``cmd``, ``out`` and ``free`` are one-way pipes with one reader and one writer each:
+    ``cmd`` brings :class:`~userwise.pipelines.loader.ring.Work` (None: exit), ``out`` takes
+    :class:`~userwise.pipelines.loader.ring.Ready` per batch, then ``Done`` (or ``Failed``),
+    ``free`` brings slot numbers back. All are one-way pipes with one reader and one writer each:
     messages are pickled and written by the thread that sends them (no feeder thread to
     hand the GIL to between batches, no lock). ``life``: how it ends with its trainer."""
     if life is not None:
@@ -41,20 +43,20 @@ def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, r
     keep_heap()
     # Arrow's decode threads only where cores are left over (fewer workers than cores):
     # otherwise the workers' thread pools would just compete with each other
-    ds.read_threads = read_threads
+    ds.set_read_threads(read_threads)
     ring = Ring(nslots, free)
     while True:
         try:
-            msg = cmd.recv()
+            work: Work | None = cmd.recv()
         except EOFError:  # the trainer is gone
             return
-        if msg is None:
+        if work is None:
             return
-        plan, start, k = msg
-        ds._plans = {plan.epoch: plan}  # the trainer's plan (computed once there; no collective here)
         last_columns = None
         try:
-            for b in ds._batches(worker, k, start, alloc=ring.alloc, epoch=plan.epoch):
+            # the trainer's plan (made once there; no collective here)
+            for b in ds.batches(work.plan, worker=worker, num_workers=work.num_workers, start=work.start,
+                                alloc=ring.alloc):
                 slot, fresh = ring.sent()
                 meta = dict(b.meta)
                 meta.pop("roles", None)  # the trainer has them; send the column table only when it changes
@@ -62,13 +64,13 @@ def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, r
                     meta.pop("columns")
                 else:
                     last_columns = meta["columns"]
-                send(out, ("batch", b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
-            send(out, ("done", worker))
+                send(out, Ready(b.meta["index"], slot, fresh, b.nbytes, b.spec, meta))
+            send(out, Done(worker))
         except SystemExit:  # stopped (SIGTERM): exit, cleaning up on the way
             raise
         except BaseException as e:  # noqa: BLE001 (everything else goes back to the trainer)
             try:
-                send(out, ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
+                send(out, Failed(f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UserwiseError)))
             except OSError:  # the trainer closed the pipe (it stopped the workers)
                 return
 

@@ -20,6 +20,7 @@ import torch
 
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader, expand_batch
+from userwise.pipelines.loader.epochs import Epochs
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 
@@ -158,7 +159,7 @@ def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
     sh = UserwiseDataset(shardset, batch_order="shuffled", **kw)
     for epoch in (0, 1):
         unsorted = 0
-        for bs, bd in zip(st._plan(epoch).buffers, sh._plan(epoch).buffers, strict=True):
+        for bs, bd in zip(st.epochs.plan(epoch).buffers, sh.epochs.plan(epoch).buffers, strict=True):
             assert bs.rgs.tolist() == bd.rgs.tolist() and bs.bounds.tolist() == bd.bounds.tolist()
             for k in range(bs.num_batches):
                 x, y = bs.perm[bs.bounds[k]: bs.bounds[k + 1]], bd.perm[bd.bounds[k]: bd.bounds[k + 1]]
@@ -166,13 +167,13 @@ def test_batch_order_stored_keeps_the_drawn_batches_in_row_order(shardset):
                 assert sorted(y.tolist()) == x.tolist()
                 unsorted += bool((np.diff(y) < 0).any())
         assert unsorted  # "shuffled" keeps an order that is not the stored one
-    got = [b.numpy("sample_id").tolist() for b in st._batches(epoch=0)]
+    got = [b.numpy("sample_id").tolist() for b in st.batches(st.epochs.plan(0))]
     want = []
-    for buf in st._plan(0).buffers:
+    for buf in st.epochs.plan(0).buffers:
         ids = np.asarray(st._read_table(buf.rgs)["sample_id"])
         want += [ids[buf.perm[buf.bounds[k]: buf.bounds[k + 1]]].tolist() for k in range(buf.num_batches)]
     assert got == want
-    drawn = [b.numpy("sample_id").tolist() for b in sh._batches(epoch=0)]
+    drawn = [b.numpy("sample_id").tolist() for b in sh.batches(sh.epochs.plan(0))]
     assert [sorted(x) for x in drawn] == [sorted(x) for x in got] and drawn != got
     with pytest.raises(ValueError, match="batch_order"):
         UserwiseDataset(shardset, batch_order="random", **kw)
@@ -184,8 +185,8 @@ def test_the_next_epoch_is_planned_while_the_workers_read(shardset, monkeypatch)
     planning takes a collective nothing is planned ahead."""
     kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
     calls = []
-    real = UserwiseDataset._rank_plans
-    monkeypatch.setattr(UserwiseDataset, "_rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
+    real = Epochs.rank_plans
+    monkeypatch.setattr(Epochs, "rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
     ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2)
     _batches(ld)
     assert calls == [0, 1]
@@ -195,8 +196,8 @@ def test_the_next_epoch_is_planned_while_the_workers_read(shardset, monkeypatch)
     alone.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
     assert second == _batches(alone)
     calls.clear()
-    monkeypatch.setattr(UserwiseDataset, "_spans_nodes", lambda self: True)
-    monkeypatch.setattr(UserwiseDataset, "_cross_node_targets", lambda self, targets: targets)  # as if agreed
+    monkeypatch.setattr(Epochs, "spans_nodes", lambda self: True)
+    monkeypatch.setattr(Epochs, "agreed_targets", lambda self, targets: targets)  # as if agreed
     _batches(ld)  # epoch 2 was planned ahead; epoch 3 is not
     assert calls == []
     _batches(ld)
@@ -470,9 +471,9 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
 
     kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
     ds = UserwiseDataset(shardset, **kw)
-    bufs = ds._plan(0).buffers
+    bufs = ds.epochs.plan(0).buffers
     assert len(bufs) > reading.READ_LANES + 1  # more buffers than lanes: reads run ahead and overlap
-    want = [bytes(b.buffer.numpy()) for b in ds._batches(epoch=0, read_ahead=False)]
+    want = [bytes(b.buffer.numpy()) for b in ds.batches(ds.epochs.plan(0), read_ahead=False)]
     lock, readers, active, most = threading.Lock(), collections.defaultdict(set), [0], [0]
     read = pq.ParquetFile.read_row_groups
 
@@ -489,13 +490,13 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
                 active[0] -= 1
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
-    assert [bytes(b.buffer.numpy()) for b in ds._batches(epoch=0, read_ahead=True)] == want
+    assert [bytes(b.buffer.numpy()) for b in ds.batches(ds.epochs.plan(0), read_ahead=True)] == want
     assert most[0] == reading.READ_LANES
     assert all(len(t) == 1 for t in readers.values())  # one thread per handle
     lanes = set().union(*readers.values())
     assert len(lanes) == reading.READ_LANES and threading.get_ident() not in lanes
     # stopped after the first batch: nothing still reads once the generator is closed
-    g = ds._batches(epoch=0, read_ahead=True)
+    g = ds.batches(ds.epochs.plan(0), read_ahead=True)
     next(g)
     g.close()
     assert active[0] == 0
@@ -511,7 +512,7 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
     monkeypatch.setattr(UserwiseDataset, "_read_buffer", fail_third)
     got = []
     with pytest.raises(ShardError, match="stand-in"):
-        for b in ds._batches(epoch=0, read_ahead=True):
+        for b in ds.batches(ds.epochs.plan(0), read_ahead=True):
             got.append(bytes(b.buffer.numpy()))
     assert got == want[: bufs[0].num_batches + bufs[1].num_batches]
     assert active[0] == 0
@@ -654,7 +655,7 @@ def test_worker_processes_keep_their_heap_the_trainer_does_not(shardset, tmp_pat
     monkeypatch.setattr(loader_mod, "keep_heap", mark)  # forked workers inherit the stand-in
     ds = UserwiseDataset(shardset, rank=0, world_size=1, batch_size=16)
     ld = UserwiseLoader(ds, num_workers=2, device="cpu")
-    assert sum(b.num_samples for b in ld) == sum(ds.shards.rg_rows)
+    assert sum(b.num_samples for b in ld) == sum(ds.epochs.settings.shards.rg_rows)
     ld.close()
     pids = {int(p.name.split("-")[1]) for p in tmp_path.glob("keep-*")}
     assert len(pids) == 2 and os.getpid() not in pids
@@ -676,11 +677,11 @@ def test_auto_buffer_size(tmp_path, monkeypatch):
                     sets=(("incremental", "2026-01-04", "2026-01-05", 2048),))
     ds = UserwiseDataset(root, world_size=1, rank=0, verify="none")
     assert ds.buffer_row_groups == 32
-    assert max(len(b.rgs) for b in ds._plan().buffers) == 16  # the node's 16 row groups, one buffer
+    assert max(len(b.rgs) for b in ds.epochs.plan().buffers) == 16  # the node's 16 row groups, one buffer
     assert UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=3).buffer_row_groups == 3
     with pytest.raises(ValueError, match="buffer_row_groups"):
         UserwiseDataset(root, world_size=1, rank=0, verify="none", buffer_row_groups=0)
-    monkeypatch.setattr(dataset, "BUFFER_BYTES", int(np.mean(ds.shards.rg_bytes) * 5.5))
+    monkeypatch.setattr(dataset, "BUFFER_BYTES", int(np.mean(ds.epochs.settings.shards.rg_bytes) * 5.5))
     assert UserwiseDataset(root, world_size=1, rank=0, verify="none").buffer_row_groups == 5
 
 
@@ -742,9 +743,9 @@ def test_a_worker_that_dies_is_reported_not_waited_for(shardset, monkeypatch, ho
 
     kw = dict(batch_size=4, seed=2, world_size=1, rank=0, verify="none", device="cpu")
     ld = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=2, timeout=120)
-    per_worker = -(-len(ld.dataset._plan().buffers) // 2)  # buffers a worker reads per epoch, at most
+    per_worker = -(-len(ld.dataset.epochs.plan().buffers) // 2)  # buffers a worker reads per epoch, at most
     _fail_in_workers(monkeypatch, lambda: os._exit(7), at=per_worker + 2)
-    assert sum(b.num_samples for b in ld) == sum(ld.dataset.shards.rg_rows)  # the first epoch is whole
+    assert sum(b.num_samples for b in ld) == sum(ld.dataset.epochs.settings.shards.rg_rows)  # the first epoch is whole
     t = time.monotonic()
     held = []
     with pytest.raises(RuntimeError, match=r"loader worker \d exited \(code 7\)"):

@@ -146,7 +146,7 @@ def samples(*runs) -> collections.Counter:
 def test_two_nodes_equal_batches_exactly_once_and_a_killed_job_resumes(two_nodes, tmp_path):
     epoch = collections.Counter(all_rows(two_nodes).column("sample_id").to_pylist())
     own = [UserwiseDataset(two_nodes, node=k, rank=0, world_size=2, batch_size=8, seed=SEED, verify="none",
-                           device="cpu")._plan(0).num_batches for k in (0, 1)]
+                           device="cpu").epochs.plan(0).num_batches for k in (0, 1)]
     assert own[0] != own[1]  # the nodes' own plans differ: the ranks agree only through the all-reduce
 
     full = launch(two_nodes, tmp_path, "full", nodes=2, local=2)
@@ -210,7 +210,7 @@ def test_the_agreed_batch_counts_come_from_the_all_reduce(two_nodes, monkeypatch
     with two more batches per set: the same samples, cut into more batches), with a tensor on
     the backend's device."""
     ds = UserwiseDataset(two_nodes, node=0, rank=0, world_size=2, batch_size=8, seed=SEED, verify="none", device="cpu")
-    alone = ds._rank_plans(0)
+    alone = ds.epochs.rank_plans(0)
     seen = []
 
     def all_reduce(t, op=None):
@@ -220,8 +220,7 @@ def test_the_agreed_batch_counts_come_from_the_all_reduce(two_nodes, monkeypatch
     for name, fn in {"is_initialized": lambda: True, "get_world_size": lambda group=None: 4,
                      "get_backend": lambda group=None: "gloo", "all_reduce": all_reduce}.items():
         monkeypatch.setattr(dist, name, fn)
-    ds._plans = {}
-    agreed = ds._rank_plans(0)
+    agreed = ds.epochs.rank_plans(0)
     assert seen == [torch.device("cpu")]
     assert [p.num_batches for p in agreed] == [p.num_batches + 2 * len(ds.set_idx) for p in alone]
     assert sum(len(b.perm) for p in agreed for b in p.buffers) == sum(len(b.perm) for p in alone for b in p.buffers)
@@ -239,12 +238,11 @@ NCCL = textwrap.dedent('''
         d.init_process_group(backend, init_method=f"tcp://127.0.0.1:{ports[i]}", rank=0, world_size=1,
                              timeout=datetime.timedelta(seconds=60))
         ds = UserwiseDataset(root, node=0, rank=0, world_size=1, batch_size=8, verify="none", device="cuda")
-        want = [p.num_batches for p in ds._rank_plans(0)]
+        want = [p.num_batches for p in ds.epochs.rank_plans(0)]
         seen, real = [], d.all_reduce
         d.all_reduce = lambda t, *a, **k: seen.append(t.device) or real(t, *a, **k)
-        ds._spans_nodes = lambda: True  # as if other nodes were in the job: the epoch's one all-reduce runs
-        ds._plans = {}
-        got = [p.num_batches for p in ds._rank_plans(0)]
+        ds.epochs.spans_nodes = lambda: True  # as if other nodes were in the job: the epoch's one all-reduce runs
+        got = [p.num_batches for p in ds.epochs.rank_plans(0)]
         d.all_reduce = real
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         assert seen == [dev] and collective_device() == dev and got == want, (backend, seen, got, want)

@@ -125,8 +125,8 @@ def shards(tmp_path_factory):
                             schema=schemas.shard_schema(layout()).to_arrow(), nodes=1, ranks_per_node=1, seed=1,
                             row_group_rows=16)
     ds = UserwiseDataset(root, verify="size", batch_size=8, seed=1, device="cpu")
-    big = max(range(len(ds.shards.shards)), key=lambda s: ds.shards.shards[s]["bytes"])
-    return root, ds.shards.path(big), batches(root)
+    big = max(range(len(ds.epochs.settings.shards.shards)), key=lambda s: ds.epochs.settings.shards.shards[s]["bytes"])
+    return root, ds.epochs.settings.shards.path(big), batches(root)
 
 
 def batches(root, workers=0):

@@ -10,6 +10,7 @@ import pytest
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+from userwise.pipelines.loader.epochs import Epochs
 from userwise.pipelines.loader.resume import LoaderStateError
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
@@ -63,7 +64,7 @@ def test_the_state_records_what_it_depends_on(shardset):
     st = saved(ld)
     assert st["epoch"] == 0 and st["cursor"] == 3 and st["samples"] == sum(map(len, head))
     assert (st["node"], st["rank"], st["world_size"], st["batch_size"], st["token_budget"]) == (0, 1, 2, 8, None)
-    assert st["shards"] == ld.dataset.shards.fingerprint and len(st["shards"]) == 16
+    assert st["shards"] == ld.dataset.epochs.settings.shards.fingerprint and len(st["shards"]) == 16
     assert st["plan"] == {"sets": [s["id"] for s in mf.load(shardset)["sets"]], "split": "all", "shuffle": True,
                           "buffer_row_groups": ld.dataset.buffer_row_groups}
     assert len(st["targets"]) == 3 and sum(st["targets"]) == len(ld)
@@ -130,8 +131,8 @@ def test_loading_only_compares_and_the_plan_is_checked_at_the_next_iteration(sha
     ids(ld, 3)
     st = saved(ld)
     calls = []
-    real = UserwiseDataset._rank_plans
-    monkeypatch.setattr(UserwiseDataset, "_rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
+    real = Epochs.rank_plans
+    monkeypatch.setattr(Epochs, "rank_plans", lambda self, epoch=None: calls.append(epoch) or real(self, epoch))
     again = loader(shardset, 0, 2)
     again.load_state_dict(st)
     assert calls == []  # cheap: no plan made

@@ -123,7 +123,7 @@ def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
 
     ds = UserwiseDataset(gdsset, gds="host", world_size=1, rank=0, batch_size=8, seed=3, verify="none")
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
-    plan, n = ds._plan(0), 0
+    plan, n = ds.epochs.plan(0), 0
     for buf in plan.buffers:
         cols = ds._read_buffer(buf.rgs)
         host = Prepared(cols)
