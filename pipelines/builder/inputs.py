@@ -99,10 +99,6 @@ def _kind(path: str) -> str | None:
     return "folder"
 
 
-def is_delta(path: str) -> bool:
-    return _kind(path) == "delta"
-
-
 def _hidden(path: str) -> bool:
     return os.path.basename(path.rstrip("/")).startswith(("_", "."))
 

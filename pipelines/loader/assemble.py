@@ -5,30 +5,24 @@ A :class:`Prepared` holds a buffer's host columns stacked per group
 once (:meth:`Prepared.permuted`), each batch is a contiguous range of its
 samples, cut by :meth:`Prepared.assemble_range`: two compiled calls
 (:mod:`program`) where numba is, else a few slice copies per block (numpy, not
-torch: no intra-op threads on a busy host). :meth:`Prepared.assemble`
-gathers any samples of an unshuffled buffer. No per-row Python and no
+torch: no intra-op threads on a busy host). No per-row Python and no
 per-column loop per batch on either path; both give the same bytes, and the
-same bytes as the device assembler (:mod:`assemble_torch`).
+same bytes as the device assembler (:mod:`assemble_torch`). An empty batch
+(a rank with fewer samples than batches) needs only the layout (:func:`empty_batch`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from userwise.pipelines.loader import segcopy
 from userwise.pipelines.loader.batch import JaggedBatch
-from userwise.pipelines.loader.buffer_layout import COUNT_B, COUNT_B1, layout_of
+from userwise.pipelines.loader.buffer_layout import COUNT_B, COUNT_B1, BatchLayout, layout_of
 from userwise.pipelines.loader.decode import Col
-from userwise.pipelines.loader.jagged import ALIGN, np_offsets, np_ranges
+from userwise.pipelines.loader.jagged import ALIGN, np_ranges
 from userwise.pipelines.loader.program import BatchProgram
 from userwise.pipelines.loader.stacked import Runs, as_numpy, permute, stack
-
-
-def _select_lists(off: np.ndarray, rows: np.ndarray):
-    """Rows ``rows`` of a list column with offsets ``off``: (element indexes, new offsets, lengths)."""
-    start = off[rows]
-    ln = off[rows + 1] - start
-    return np_ranges(start, ln), np_offsets(ln), ln
 
 
 class Prepared:
@@ -62,10 +56,7 @@ class Prepared:
     def _layout_buffer(self, counts, alloc):
         """One buffer for the batch: every array in its own ALIGN-aligned slot, padding zeroed
         (equal batches are equal bytes). Returns (buffer, its uint8 view, slot offsets, slot sizes)."""
-        numel = counts[self.layout.count]
-        nbytes = numel * self.layout.itemsize
-        aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
-        pos = np.cumsum(aligned) - aligned
+        nbytes, aligned, pos = _slots(self.layout, counts)
         total = int(aligned.sum())
         buf = alloc(max(total, ALIGN))
         out = buf.numpy()
@@ -76,18 +67,9 @@ class Prepared:
             out[total:] = 0
         return buf, out, pos.tolist(), aligned.tolist()
 
-    def _batch(self, buf, P, counts, B: int, meta: dict) -> JaggedBatch:
-        lay = self.layout
-        m = dict(meta)
-        m["num_samples"] = B
-        m["columns"] = lay.columns
-        m["events"] = int(counts[lay.seq_count]) if lay.seq_count is not None and B else 0
-        m["impressions"] = int(counts[lay.imp_count]) if lay.imp_req_at is not None else 0
-        return JaggedBatch(buf, tuple(zip(lay.names, lay.dtypes, P, counts[lay.count].tolist())), m)
-
     def assemble_range(self, a: int, b: int, alloc, meta: dict) -> JaggedBatch:
-        """Samples ``a:b`` of a :meth:`permuted` buffer as one batch (same bytes as
-        ``assemble(perm[a:b])`` on the unpermuted buffer): compiled where numba is, else numpy."""
+        """Samples ``a:b`` of a :meth:`permuted` buffer as one batch (same bytes as the device
+        assembler's gather of ``perm[a:b]``): compiled where numba is, else numpy."""
         if self.program is not None:
             return self.program.run(a, b, alloc, meta)
         lay = self.layout
@@ -146,77 +128,53 @@ class Prepared:
                 ia, ib = rng["imp"]
                 i = lay.imp_req_at
                 np.subtract(self.imp_req[ia:ib], ra, out=out[P[i]: P[i] + 8 * (ib - ia)].view(np.int64))
-        return self._batch(buf, P, counts, B, meta)
-
-    def assemble(self, idx, alloc, meta: dict) -> JaggedBatch:
-        """Gather samples ``idx`` (row numbers of this buffer, unpermuted) into one buffer from
-        ``alloc(nbytes)``."""
-        lay = self.layout
-        idx = np.asarray(idx, dtype=np.int64)
-        B = len(idx)
-        counts = np.zeros(lay.ncounts, np.int64)
-        counts[COUNT_B], counts[COUNT_B1] = B, B + 1
-        work = []
-        req_len = req_e = None
-        for G in self.groups:
-            r = G.recipe
-            if G.offsets is None:
-                e, new = idx, None
-            else:
-                e, new, ln = _select_lists(G.offsets, idx)
-                counts[r.count], counts[r.count + 1] = len(e), len(e) + 1
-                if r.group == "req":
-                    req_len, req_e = ln, e
-            snew = s0 = sl = None
-            if G.strings is not None:
-                soff = G.strings.soff
-                s0 = soff[:, e]
-                sl = soff[:, e + 1] - s0
-                snew = np.zeros((len(soff), len(e) + 1), np.int64)
-                np.cumsum(sl, axis=1, out=snew[:, 1:])
-                counts[r.strings.first_count: r.strings.first_count + len(soff)] = snew[:, -1]
-            work.append((G, e, new, snew, s0, sl))
-        buf, out, P, A = self._layout_buffer(counts, alloc)
-
-        def block(i, dt, rows, n):
-            """rows arrays of n elements each, one per aligned slot from entry i, as a 2-D view."""
-            stride = A[i] // np.dtype(dt).itemsize
-            return out[P[i]: P[i] + rows * A[i]].view(dt).reshape(rows, stride)[:, :n]
-
-        for G, e, new, snew, s0, sl in work:
-            r = G.recipe
-            n = len(e)
-            if new is not None:
-                i = r.offsets_at
-                out[P[i]: P[i] + 8 * (B + 1)].view(np.int64)[:] = new
-            for blk, cs in zip(r.blocks, G.blocks):
-                o = block(blk.at, cs[0].dtype, len(cs), n)
-                for k, v in enumerate(cs):
-                    np.take(v, e, out=o[k], mode="clip")
-            if G.strings is not None:
-                data, soff = G.strings.data, G.strings.soff
-                ln = sl.ravel()
-                i0 = r.strings.bytes_at
-                starts = np.array(P[i0: i0 + len(soff)], np.int64)
-                dst = np_ranges((starts[:, None] + snew[:, :-1]).ravel(), ln)
-                if len(dst):
-                    out[dst] = data[np_ranges(s0.ravel(), ln)]
-                block(r.strings.soff_at, np.int64, len(soff), n + 1)[:] = snew
-            if G.valid is not None:
-                cs = G.valid
-                o = block(r.valid.at, cs[0].dtype, len(cs), n)
-                for k, v in enumerate(cs):
-                    np.take(v, e, out=o[k], mode="clip")
-        if lay.req_sample_at is not None:
-            i = lay.req_sample_at
-            R = len(req_e)
-            out[P[i]: P[i] + 8 * R].view(np.int64)[:] = np.repeat(np.arange(B, dtype=np.int64), req_len)
-            if lay.imp_req_at is not None:
-                i = lay.imp_req_at
-                k = self.rni[req_e]
-                N = int(k.sum())
-                out[P[i]: P[i] + 8 * N].view(np.int64)[:] = np.repeat(np.arange(R, dtype=np.int64), k)
-        return self._batch(buf, P, counts, B, meta)
+        return _as_batch(lay, buf, P, counts, B, meta)
 
 
-__all__ = ["Prepared"]
+def empty_layout(cols: dict[str, Col]) -> BatchLayout:
+    """The :class:`BatchLayout` of decoded columns wherever they are (host or device): what an
+    empty batch of their buffer holds."""
+    def host(x):
+        return None if x is None else x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+    return layout_of({n: Col(host(c.values), host(c.offsets), host(c.str_offsets), host(c.validity), c.arrow)
+                      for n, c in cols.items()})
+
+
+def empty_batch(layout: BatchLayout, alloc, meta: dict) -> JaggedBatch:
+    """A batch of no samples with every array of ``layout`` (a rank with fewer samples than
+    batches gets such batches): the layout alone decides it, as every array is empty but the
+    offsets (one 0 each), so the buffer from ``alloc(nbytes)`` is all zeros. The same bytes
+    as an empty range of any buffer of that layout, on the host or the device."""
+    counts = np.zeros(layout.ncounts, np.int64)
+    counts[COUNT_B1] = 1
+    for r in layout.groups:
+        if r.offsets_col is not None:
+            counts[r.count + 1] = 1
+    _, aligned, pos = _slots(layout, counts)
+    buf = alloc(max(int(aligned.sum()), ALIGN))
+    if buf.device.type == "cpu":
+        buf.numpy().fill(0)  # numpy: no torch intra-op threads (see jagged.ranges)
+    else:
+        buf.zero_()
+    return _as_batch(layout, buf, pos.tolist(), counts, 0, meta)
+
+
+def _slots(layout: BatchLayout, counts: np.ndarray):
+    """The arrays of a batch with ``counts``: their bytes, their ALIGN-aligned slots' sizes and
+    the slots' byte offsets in the buffer."""
+    nbytes = counts[layout.count] * layout.itemsize
+    aligned = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+    return nbytes, aligned, np.cumsum(aligned) - aligned
+
+
+def _as_batch(lay: BatchLayout, buf, P, counts, B: int, meta: dict) -> JaggedBatch:
+    m = dict(meta)
+    m["num_samples"] = B
+    m["columns"] = lay.columns
+    m["events"] = int(counts[lay.seq_count]) if lay.seq_count is not None and B else 0
+    m["impressions"] = int(counts[lay.imp_count]) if lay.imp_req_at is not None else 0
+    return JaggedBatch(buf, tuple(zip(lay.names, lay.dtypes, P, counts[lay.count].tolist())), m)
+
+
+__all__ = ["Prepared", "empty_layout", "empty_batch"]

@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
 from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect
-from userwise.pipelines.loader.assemble import Prepared
+from userwise.pipelines.loader.assemble import Prepared, empty_batch, empty_layout
 from userwise.pipelines.loader.batch import as_device
 from userwise.pipelines.loader.epochs import Epochs
 from userwise.pipelines.loader.plan import PlanSettings, RankPlan, check_batch_order
@@ -171,7 +171,7 @@ class UserwiseDataset(IterableDataset):
             set_idx=tuple(set_idx), split=split, eval_set_idx=frozenset(pick(set(eval_sets))),
             eval_user_share=float(share), eval_seed=int(eval_seed), all_reduce_targets=all_reduce_targets))
         self._data_path = gpudirect.choose_path(sh, gds, self.device)
-        self._empty_src = None  # what an empty batch is made from (read once, when one is due)
+        self._empty_layout = None  # an empty batch's layout (read once, when one is due)
         self._read_threads = True  # Arrow's decode threads (workers turn them off: one core each)
         self._memory_map = True  # staged shards are local files: map them instead of copying through read()
         self._read_pool = read_pool()  # checked here, before any worker starts
@@ -311,8 +311,9 @@ class UserwiseDataset(IterableDataset):
                             batch = self._empty(meta, alloc)
                         elif isinstance(src, Prepared):
                             batch = src.assemble_range(a, b, alloc, meta)
-                        else:
-                            batch = self._gather(src, buf.perm[a:b], alloc, meta)
+                        else:  # device columns (GDS)
+                            idx = torch.from_numpy(np.asarray(buf.perm[a:b], np.int64))
+                            batch = assemble_torch.assemble(src, idx, alloc, meta)
                     yield batch
         finally:  # stopped early (break, error): no read of this epoch outlives it
             for f in ahead:
@@ -357,17 +358,12 @@ class UserwiseDataset(IterableDataset):
         v = next(iter(cols.values())).values
         return Prepared(cols) if isinstance(v, np.ndarray) or v.device.type == "cpu" else cols
 
-    @staticmethod
-    def _gather(src, idx, alloc, meta):
-        if isinstance(src, Prepared):
-            return src.assemble(idx, alloc, meta)
-        return assemble_torch.assemble(src, torch.from_numpy(np.asarray(idx, np.int64)), alloc, meta)
-
     def _empty(self, meta, alloc):
-        # a rank with fewer samples than batches: an empty batch with the full layout
-        if self._empty_src is None:
-            self._empty_src = self._prepare(self._read_buffer([0]))
-        return self._gather(self._empty_src, np.zeros(0, np.int64), alloc, meta)
+        """A rank with fewer samples than batches: an empty batch with the full layout (that of
+        the node's first row group, read once)."""
+        if self._empty_layout is None:
+            self._empty_layout = empty_layout(self._read_buffer([0]))
+        return empty_batch(self._empty_layout, alloc, meta)
 
     def __iter__(self):
         info = get_worker_info()

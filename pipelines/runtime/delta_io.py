@@ -62,13 +62,6 @@ def write_small(path: str, table, predicate: str | None = None) -> None:
                     predicate=predicate if has_log(path) else None)
 
 
-def delete_small(path: str, predicate: str) -> None:
-    from deltalake import DeltaTable as RsTable
-
-    if has_log(path):
-        RsTable(path).delete(predicate)
-
-
 def least(path: str, col: str = "date"):
     """The least value of ``col`` in a table's rows, from its log (delta-rs, no Spark job): the
     files' partition values where the table is partitioned by ``col``, else their min

@@ -106,11 +106,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "userwise" / "jars"
 
 
-def cached_jars() -> list[str] | None:
-    """Delta's jars when the cache holds them."""
-    return DELTA.cached()
-
-
 def for_paths(*paths: str | None) -> list[str] | None:
     """The cached jars a Spark job over ``paths`` loads: Delta's, and the S3 connector's when a
     path is on S3 (``s3://``, ``s3a://``, ``s3n://``); None when a set it needs is not cached."""

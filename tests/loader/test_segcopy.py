@@ -164,19 +164,15 @@ def test_without_numba_the_numpy_copy_is_chosen():
     assert out.split() == ["numpy", "[7,", "8,", "1,", "2]"]
 
 
-def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
-    """A buffer with every column kind the layout has: sample scalars and strings (with
-    nulls), parallel seq lists (with nulls, empty lists), request lists with strings,
-    impressions with req_num_imps, and a list column with its own offsets. Batches cut from
-    the permuted buffer by the compiled kernels and by numpy are the same bytes, for ranges
-    that include empty samples and the empty range, with runs and with gathered blocks."""
+def every_kind_of_column(n: int = 57) -> dict:
+    """Decoded columns of every kind the layout has: sample scalars and strings (with nulls),
+    parallel seq lists (with nulls, empty lists), request lists with strings, impressions with
+    req_num_imps, and a list column with its own offsets."""
     import pyarrow as pa
 
-    from userwise.pipelines.loader import decode, stacked
-    from userwise.pipelines.loader.assemble import Prepared
+    from userwise.pipelines.loader import decode
 
     rng = np.random.default_rng(3)
-    n = 57
     num_events = rng.choice([0, 1, 2, 40, 300], n)
     req_len = rng.integers(0, 4, n)
     rni = [rng.integers(0, 3, k).astype(np.int32) for k in req_len]
@@ -193,7 +189,21 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
         "imp__item": pa.array([rng.integers(0, 99, int(x.sum())).tolist() for x in rni], pa.list_(pa.int64())),
         "tags": pa.array([list(range(i % 6)) for i in range(n)], pa.list_(pa.int16())),
     }
-    cols = decode.from_arrow(pa.table(rows))
+    return decode.from_arrow(pa.table(rows))
+
+
+def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
+    """A buffer with every column kind the layout has: sample scalars and strings (with
+    nulls), parallel seq lists (with nulls, empty lists), request lists with strings,
+    impressions with req_num_imps, and a list column with its own offsets. Batches cut from
+    the permuted buffer by the compiled kernels and by numpy are the same bytes, for ranges
+    that include empty samples and the empty range, with runs and with gathered blocks."""
+    from userwise.pipelines.loader import stacked
+    from userwise.pipelines.loader.assemble import Prepared
+
+    rng = np.random.default_rng(3)
+    n = 57
+    cols = every_kind_of_column(n)
     perm = rng.permutation(n)
     cuts = [(0, 5), (5, 5), (5, 23), (23, 40), (40, n)]
 
@@ -212,3 +222,25 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
             assert c.spec == p.spec and torch.equal(c.buffer, p.buffer)
             assert (c.meta["events"], c.meta["impressions"]) == (p.meta["events"], p.meta["impressions"])
     assert "tags.offsets" in {s[0] for s in compiled[0].spec}  # the own-offsets list group is there
+
+
+def test_an_empty_batch_is_made_from_the_layout_alone():
+    """A rank with fewer samples than batches gets empty batches: made from the buffer layout
+    alone (no samples gathered), they are the same bytes, spec and counts as an empty range cut
+    from a buffer of that layout (compiled or numpy) and as the device assembler's gather of no
+    samples, on host and (through ``empty_layout``) device columns alike."""
+    from userwise.pipelines.loader import assemble_torch, decode
+    from userwise.pipelines.loader.assemble import Prepared, empty_batch, empty_layout
+
+    cols = every_kind_of_column()
+    alloc = lambda k: torch.full((k,), 7, dtype=torch.uint8)  # noqa: E731 (stale bytes: all must be written)
+    meta = {"index": 3}
+    got = empty_batch(empty_layout(cols), alloc, meta)
+    cut = Prepared(cols).permuted(np.arange(57)).assemble_range(5, 5, alloc, meta)
+    gathered = assemble_torch.assemble(decode.torch_cols(cols), torch.zeros(0, dtype=torch.long), alloc, meta)
+    assert got.num_samples == 0 and got.spec == cut.spec == gathered.spec
+    assert bytes(got.buffer.numpy()) == bytes(cut.buffer.numpy()) == bytes(gathered.buffer.numpy())
+    assert got.meta["columns"] == cut.meta["columns"] == gathered.meta["columns"]
+    assert (got.meta["events"], got.meta["impressions"]) == (0, 0) and got.meta["index"] == 3
+    assert empty_layout(decode.torch_cols(cols)) == empty_layout(cols)  # torch columns: the same layout
+    assert {"seq.offsets", "tags.offsets", "kind.soff", "imp.req"} <= {s[0] for s in got.spec}
