@@ -12,8 +12,9 @@ byte limits are arguments); per request, in order:
 1. the current chain: the request's sample's stored events up to its ``seq_end``
    (:class:`Chain`, from the sample's rolling hashes, computed once);
 2. ``store.acquire(user, chain)``: the held state cut to the prefix the chain verifies
-   (nothing when the user's held state belongs to another sample whose events differ:
-   a new window or chunk re-anchors the user; all of it when they are the same events);
+   (all of it, its unfinished last page included, when the request's events extend it;
+   nothing when the user's held state belongs to another sample whose events differ: a
+   new window or chunk re-anchors the user);
 3. ``extend`` by the events the lease lacks, ``store.put``, ``score`` the candidates;
 4. the full recompute: :func:`full_scores` over the same events (the training forward of
    a one-request sample), and once per sample the training forward of the sample as the
@@ -28,14 +29,16 @@ longest span) or given, and a request whose pointer breaks the rule is refused.
 
 The report: logits equal (the largest absolute difference against the full recompute and
 against the training forward, and the requests over the tolerance: 1e-9 in float64,
-1e-5 in float32), hit rates per tier, tokens the cache encoded against those the full
-recompute encodes, resident bytes, per serving node and in total; wall-clock figures only
-under ``timing``, so two replays with the same arguments give the same report outside it.
+1e-5 in float32), the stores' counts (``KVStore.stats()``: each lookup a full reuse, a
+partial reuse or a miss, hits per tier, invalidated), tokens the cache encoded (new events,
+and events encoded again) against those the full recompute encodes, resident bytes, per
+serving node and in total; wall-clock figures only under ``timing``, so two replays with
+the same arguments give the same report outside it.
 
 Example::
 
     report = replay("shards", serving_nodes=4, dtype="float64", seed=0)
-    report["equality"]["over_tolerance"], report["hit_rate"], report["timing"]["cached_requests_per_s"]
+    report["equality"]["over_tolerance"], report["reuse_rate"], report["timing"]["cached_requests_per_s"]
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ __all__ = ["Trace", "TraceRequest", "read_trace", "replay", "TOLERANCE", "DTYPES
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-5}
 MB = 1 << 20
+# the report's cache counts, as KVStore.stats() gives them (see its docstring)
+_COUNTS = ("lookups", "reuse", "reuse_rate", "hits", "hit_rate", "partial_reuses", "misses", "invalidated")
 
 
 @dataclass(frozen=True)
@@ -170,8 +175,7 @@ class Trace:
         ``chain_of(trace.events(sample, n), block=block, version=version)``, from the rolling
         hashes computed once)."""
         a = int(self.seq_offsets[sample])
-        cps, end = chain_checkpoints(self.hashes[a:a + n], n, block)
-        return Chain(version, block, n, cps, end)
+        return Chain.from_hashes(self.hashes[a:a + n], block=block, version=version)
 
     def request(self, r: int) -> TraceRequest:
         """Request ``r`` (a flat index)."""
@@ -474,7 +478,7 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
     order = trace.order[node] if max_requests is None else trace.order[node][:int(max_requests)]
     held_high = {}  # per sample: the most events a state of it has held (re-encoded below it)
     trained = {}  # per sample: the training forward's logits of all its impressions
-    tok = {"full": 0, "encoded": 0, "reencoded": 0}
+    tok = {"full": 0, "encoded": 0, "new": 0, "reencoded": 0}
     diff = diff_train = 0.0
     over = over_train = 0
     loss_sum, loss_n = 0.0, 0
@@ -515,8 +519,10 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
         # bookkeeping (untimed)
         no_history += n == 0
         tok["full"] += n
+        again = max(0, min(n, held_high.get(s, 0)) - have)  # events a state of this sample had held
         tok["encoded"] += n - have
-        tok["reencoded"] += max(0, min(n, held_high.get(s, 0)) - have)
+        tok["reencoded"] += again
+        tok["new"] += n - have - again
         held_high[s] = max(held_high.get(s, 0), n)
         if s not in trained:
             if last_sample.get(user) is not None:
@@ -543,16 +549,12 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
         for t in TIERS:
             peak[t] = max(peak[t], res[t])
     st = store.stats()
-    look = max(st["lookups"], 1)
-    hit_rate = {t: st["hits"][t] / look for t in TIERS}
-    hit_rate["miss"] = st["misses"] / look
     rep = {
         "node": node, "users": len(users), "requests": len(order), "impressions": imps,
         "requests_without_history": no_history,
         "equality": {"max_abs_diff": diff, "over_tolerance": over, "max_abs_diff_training": diff_train,
                      "over_tolerance_training": over_train},
-        "lookups": st["lookups"], "hits": st["hits"], "misses": st["misses"], "hit_rate": hit_rate,
-        "invalidated": st["invalidated"], "truncated": st["truncated"],
+        **{k: st[k] for k in _COUNTS},
         "tokens": {**tok, "recomputed_fraction": tok["encoded"] / tok["full"] if tok["full"] else 0.0},
         "resident_bytes": st["resident_bytes"], "peak_resident_bytes": peak,
         "offloaded": {k: st[f"offloaded_{k}"] for k in ("device_to_host", "device_to_disk", "host_to_disk")},
@@ -843,10 +845,11 @@ def _scratch(cache_dir, disk_bytes: int):
 def _report(trace: Trace, nodes: list, timing: list, *, desc, tol, cache, read_s, wall_s, device) -> dict:
     total = lambda key: sum(n[key] for n in nodes)  # noqa: E731
     lookups = total("lookups")
-    hits = {t: sum(n["hits"][t] for n in nodes) for t in TIERS}
-    hit_rate = {t: hits[t] / max(lookups, 1) for t in TIERS}
-    hit_rate["miss"] = total("misses") / max(lookups, 1)
-    tok = {k: sum(n["tokens"][k] for n in nodes) for k in ("full", "encoded", "reencoded")}
+    counts = {k: ({t: sum(n[k][t] for n in nodes) for t in nodes[0][k]} if nodes and isinstance(nodes[0][k], dict)
+                  else total(k)) for k in _COUNTS if not k.endswith("_rate")}
+    counts["reuse_rate"] = {k: v / max(lookups, 1) for k, v in counts["reuse"].items()}  # as stats() gives them
+    counts["hit_rate"] = {t: v / max(lookups, 1) for t, v in counts["hits"].items()}
+    tok = {k: sum(n["tokens"][k] for n in nodes) for k in ("full", "encoded", "new", "reencoded")}
     tok["recomputed_fraction"] = tok["encoded"] / tok["full"] if tok["full"] else 0.0
     eq = {"tolerance": tol,
           "max_abs_diff": max((n["equality"]["max_abs_diff"] for n in nodes), default=0.0),
@@ -869,8 +872,7 @@ def _report(trace: Trace, nodes: list, timing: list, *, desc, tol, cache, read_s
         "serving_nodes": trace.serving_nodes, "model": desc, "cache": cache,
         "samples": len(trace.sample_ids), "users": total("users"), "requests": requests,
         "impressions": total("impressions"), "requests_without_history": total("requests_without_history"),
-        "equality": eq, "hit_rate": hit_rate, "lookups": lookups, "hits": hits, "misses": total("misses"),
-        "invalidated": total("invalidated"), "truncated": total("truncated"), "tokens": tok,
+        "equality": eq, **counts, "tokens": tok,
         "resident_bytes": {t: sum(n["resident_bytes"][t] for n in nodes) for t in TIERS},
         "logloss": loss_sum / loss_n if loss_n else None,
         "nodes": nodes,
@@ -935,7 +937,7 @@ def _terminate_as_interrupt():
 
 def report_text(r: dict) -> str:
     """The report for a person: the totals, then one line per serving node."""
-    eq, hr, tk, tm, m = r["equality"], r["hit_rate"], r["tokens"], r["timing"], r["model"]
+    eq, hr, rr, tk, tm, m = r["equality"], r["hit_rate"], r["reuse_rate"], r["tokens"], r["timing"], r["model"]
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     mib = lambda b: f"{b / MB:.1f} MiB"  # noqa: E731
     lines = [
@@ -946,10 +948,11 @@ def report_text(r: dict) -> str:
         f"logits equal: {'yes' if eq['equal'] else 'NO'} (max |cached - full recompute| {eq['max_abs_diff']:.3g}, "
         f"|cached - training| {eq['max_abs_diff_training']:.3g}, tolerance {eq['tolerance']:g}; "
         f"{eq['over_tolerance']} over)",
-        f"hit rate: device {pct(hr['device'])}, host {pct(hr['host'])}, disk {pct(hr['disk'])}, miss {pct(hr['miss'])}"
-        f" of {r['lookups']:,} lookups ({r['requests_without_history']:,} requests without history)",
+        f"reuse: full {pct(rr['full'])} (device {pct(hr['device'])}, host {pct(hr['host'])}, disk "
+        f"{pct(hr['disk'])}), partial {pct(rr['partial'])}, miss {pct(rr['miss'])} of {r['lookups']:,} lookups "
+        f"({r['invalidated']:,} invalidated; {r['requests_without_history']:,} requests without history)",
         f"tokens recomputed: {pct(tk['recomputed_fraction'])} ({tk['encoded']:,} encoded of the {tk['full']:,} a full "
-        f"recompute encodes; {tk['reencoded']:,} encoded again)",
+        f"recompute encodes: {tk['new']:,} new, {tk['reencoded']:,} encoded again)",
         f"resident: device {mib(r['resident_bytes']['device'])}, host {mib(r['resident_bytes']['host'])}, disk "
         f"{mib(r['resident_bytes']['disk'])}",
         f"requests per second: cached {tm['cached_requests_per_s']}, full recompute {tm['full_requests_per_s']} "
@@ -957,8 +960,9 @@ def report_text(r: dict) -> str:
     ]
     for n in r["nodes"]:
         h = n["hit_rate"]
-        lines.append(f"  node {n['node']}: {n['requests']:,} requests, {n['users']:,} users, hits "
-                     f"{pct(h['device'])}/{pct(h['host'])}/{pct(h['disk'])}, recomputed "
+        lines.append(f"  node {n['node']}: {n['requests']:,} requests, {n['users']:,} users, full reuse "
+                     f"{pct(n['reuse_rate']['full'])} (device/host/disk {pct(h['device'])}/{pct(h['host'])}/"
+                     f"{pct(h['disk'])}), partial {pct(n['reuse_rate']['partial'])}, recomputed "
                      f"{pct(n['tokens']['recomputed_fraction'])}, peak resident "
                      f"{mib(sum(n['peak_resident_bytes'].values()))}, max diff {n['equality']['max_abs_diff']:.3g}")
     return "\n".join(lines)

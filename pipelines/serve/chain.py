@@ -6,27 +6,32 @@ are the first events of the user's current sequence, under the same model. The c
 natively) hashes each event's content (``e_i = xxhash64(item, side_1..side_F, action)``,
 all as ``long``) and rolls it (``h_{-1} = 42``, ``h_i = xxhash64(h_{i-1}, e_i)``); a chain
 of ``n`` events with block size P keeps the checkpoints ``h_{P-1}, h_{2P-1}, ...`` (one per
-complete block) and the end ``h_{n-1}``, with the model version.
+complete block) and the end ``h_{n-1}``, with the model version. A chain made from the
+events (:func:`chain_of`, :func:`chains_of`, :meth:`Chain.from_hashes`) also keeps every
+``h_i`` (``hashes``), so it answers "the hash after the first ``n`` events" for any ``n``;
+a held entry keeps only its checkpoints and its end (:meth:`Chain.compact`).
 
-:func:`longest_valid_prefix` compares a held chain with the current one: the largest
-``n`` at which both chains hold a checkpoint (a block boundary, or a chain's end) with
-equal hashes, 0 if the versions differ. Any change to the sequence before position
-``n`` (a late event inserted in the past, an event forgotten, the window re-anchored at
-a later event) changes every later ``h``, so it is caught at the first checkpoint after
-it. It is exact at block granularity: a valid held state is reused up to its last
-complete block (or whole, when the sequence did not change), so at most P - 1 held
-events are encoded again.
+:func:`longest_valid_prefix` compares a held chain with the current one (0 if the versions
+differ). The held state is valid whole when the current chain's hash at the held length
+equals the held end: a state that ends inside a page (the unfinished last page, a user of
+fewer than P events) is reused whole when events were only appended. Otherwise the answer
+is the largest block boundary at which both chains hold equal checkpoints. Any change
+to the sequence before position ``n`` (a late event inserted in the past, an event
+forgotten, the window re-anchored at a later event) changes every later ``h``, so it is
+caught at its end and at the first checkpoint after it: the reused prefix is never stale,
+and a held state that no longer verifies whole gives back at most P - 1 valid events
+beyond its last verified block.
 
 Example::
 
     held = chain_of(history, block=64, version="ckpt-7")
     cur = chain_of(history.cat(new), block=64, version="ckpt-7")
-    n = longest_valid_prefix(held, cur)       # 64 * (len(history) // 64)
+    n = longest_valid_prefix(held, cur)       # len(history): all of it
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,13 +45,15 @@ __all__ = ["Chain", "chain_of", "chains_of", "longest_valid_prefix"]
 @dataclass(frozen=True)
 class Chain:
     """The chain of a sequence of ``length`` events under model ``version``: ``checkpoints``
-    (int64 [length // block]: ``h`` after each complete block) and ``end`` (``h_{length-1}``;
-    42 for no events).
+    (int64 [length // block]: ``h`` after each complete block), ``end`` (``h_{length-1}``;
+    42 for no events) and, for a chain made from the events, ``hashes`` (int64 [length]: ``h``
+    after every event; None for a held chain, which keeps its checkpoints and end only).
 
     Example::
 
         c = chain_of(events, block=64, version=3)
-        c.positions()           # the event counts it can verify: 64, 128, ..., and its length
+        c.positions()           # the event counts every chain verifies: 64, 128, ..., and its length
+        c.verifies(70), c.hash_at(70)   # any count, from the events' hashes
     """
 
     version: object
@@ -54,6 +61,7 @@ class Chain:
     length: int
     checkpoints: np.ndarray
     end: int
+    hashes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         cps = np.asarray(self.checkpoints, dtype=np.int64)
@@ -61,30 +69,80 @@ class Chain:
         if self.block < 1 or self.length < 0 or len(cps) != self.length // self.block:
             raise UserwiseError(f"a chain of {self.length} events with block {self.block} holds "
                                 f"{self.length // max(self.block, 1)} checkpoints, not {len(cps)}")
+        if self.hashes is not None:
+            h = np.asarray(self.hashes, dtype=np.int64)
+            object.__setattr__(self, "hashes", h)
+            if h.shape != (self.length,) or (self.length and int(h[-1]) != int(self.end)) or \
+                    not np.array_equal(h[self.block - 1::self.block], cps):
+                raise UserwiseError(f"a chain of {self.length} events: its hashes {h.shape} are not the ones its "
+                                    "checkpoints and end were taken from; make it with chain_of or Chain.from_hashes")
+
+    @classmethod
+    def from_hashes(cls, hashes, *, block: int, version) -> "Chain":
+        """The chain of a sequence from its rolling hashes ``hashes`` (int64 [n], ``h_i``
+        after each event, as :func:`userwise.schemas.hashing.rolling_hashes` gives them).
+
+        Example::
+
+            cur = Chain.from_hashes(rolling_hashes(event_hashes(fields)), block=64, version=v)
+        """
+        h = np.asarray(hashes, dtype=np.int64)
+        if h.ndim != 1:
+            raise UserwiseError(f"Chain.from_hashes: hashes must be [n], got shape {h.shape}")
+        if block < 1:
+            raise UserwiseError(f"block={block}: use a number of events >= 1 (the cache's page size)")
+        cps, end = chain_checkpoints(h, len(h), block)
+        return cls(version, block, len(h), cps, end, h)
 
     def positions(self) -> list[int]:
-        """The event counts this chain verifies: each complete block's end, and its length."""
+        """The event counts every chain verifies, held or made from events: each complete
+        block's end, and its length."""
         out = [self.block * (k + 1) for k in range(len(self.checkpoints))]
         return out if self.length in out or self.length == 0 else out + [self.length]
 
+    def verifies(self, n: int) -> bool:
+        """Whether this chain knows ``h_{n-1}``: at 0, a block's end or its length, and at any
+        ``n`` up to its length when it keeps its ``hashes``."""
+        n = int(n)
+        if not 0 <= n <= self.length:
+            return False
+        return n in (0, self.length) or n % self.block == 0 or self.hashes is not None
+
     def hash_at(self, n: int) -> int:
-        """``h_{n-1}`` at one of :meth:`positions` (42 at 0)."""
+        """``h_{n-1}`` (42 at 0) at a count this chain :meth:`verifies`."""
+        n = int(n)
+        if not self.verifies(n):
+            raise UserwiseError(f"a chain of {self.length} events (block {self.block}) holds no hash at {n}")
         if n == 0:
             return CHAIN_SEED
         if n == self.length:
-            return self.end
-        if n % self.block or not 0 < n < self.length:
-            raise UserwiseError(f"a chain of {self.length} events (block {self.block}) holds no hash at {n}")
+            return int(self.end)
+        if self.hashes is not None:
+            return int(self.hashes[n - 1])
         return int(self.checkpoints[n // self.block - 1])
 
     def truncate(self, n: int) -> "Chain":
-        """The chain of the first ``n`` events (``n`` one of :meth:`positions`, or 0)."""
-        return Chain(self.version, self.block, n, self.checkpoints[:n // self.block], self.hash_at(n))
+        """The chain of the first ``n`` events (a count this chain :meth:`verifies`)."""
+        end = self.hash_at(n)
+        return Chain(self.version, self.block, n, self.checkpoints[:n // self.block], end,
+                     None if self.hashes is None else self.hashes[:n])
+
+    def compact(self) -> "Chain":
+        """This chain without its per-event ``hashes`` (its checkpoints and end: what a held
+        entry keeps).
+
+        Example::
+
+            held = chain_of(events, block=64, version=v).compact()
+        """
+        return self if self.hashes is None else Chain(self.version, self.block, self.length, self.checkpoints,
+                                                      self.end)
 
 
 def chain_of(events, *, block: int, version) -> Chain:
-    """The :class:`Chain` of one sequence: ``events`` an :class:`Events` or an int array
-    ``[n, k]`` of each event's fields in order (``Events.fields()``).
+    """The :class:`Chain` of one sequence (with every event's hash): ``events`` an
+    :class:`Events` or an int array ``[n, k]`` of each event's fields in order
+    (``Events.fields()``).
 
     Example::
 
@@ -95,9 +153,9 @@ def chain_of(events, *, block: int, version) -> Chain:
 
 
 def chains_of(fields, offsets, *, block: int, versions) -> list[Chain]:
-    """The chains of many sequences at once (vectorised across them): ``fields`` int64
-    ``[T, k]`` (every event's fields), ``offsets`` [S+1] cutting it into sequences,
-    ``versions`` one model version per sequence (or one for all).
+    """The chains of many sequences at once (vectorised across them), each with every
+    event's hash: ``fields`` int64 ``[T, k]`` (every event's fields), ``offsets`` [S+1]
+    cutting it into sequences, ``versions`` one model version per sequence (or one for all).
 
     Example::
 
@@ -118,19 +176,21 @@ def chains_of(fields, offsets, *, block: int, versions) -> list[Chain]:
         versions = [versions] * n_seq
     e = event_hashes(fields) if fields.shape[1] else np.full(len(fields), CHAIN_SEED, dtype=np.int64)
     h = rolling_hashes(e, off)
-    out = []
-    for s in range(n_seq):
-        a, b = int(off[s]), int(off[s + 1])
-        cps, end = chain_checkpoints(h[a:b], b - a, block)
-        out.append(Chain(versions[s], block, b - a, cps, end))
-    return out
+    return [Chain.from_hashes(h[int(off[s]):int(off[s + 1])], block=block, version=versions[s]) for s in range(n_seq)]
 
 
 def longest_valid_prefix(held: Chain, current: Chain) -> int:
-    """The largest ``n`` (events) that both chains verify: a position both hold a checkpoint
-    at (a multiple of the block, or a chain's end) where their hashes are equal; 0 when the
-    versions differ (a state of another model is never reused). Exact at block granularity:
-    a partial tail of a held state is encoded again (at most ``block - 1`` events).
+    """The largest ``n`` (events) of the held state that ``current`` verifies; 0 when the
+    versions differ (a state of another model is never reused):
+
+    - the held length, when ``current`` knows its hash there (a chain made from the events
+      knows it at every count up to its length) and it equals the held end: the whole held
+      state, its unfinished last page included;
+    - else the largest block end at which both chains hold equal checkpoints.
+
+    The held chain's own per-event ``hashes``, if it kept them, are not read: a held state
+    that no longer verifies whole falls back to its blocks (at most ``block - 1`` valid
+    events past the last one are encoded again).
 
     Example::
 
@@ -142,7 +202,7 @@ def longest_valid_prefix(held: Chain, current: Chain) -> int:
                             "page size")
     if held.version != current.version:
         return 0
-    if held.length == current.length and held.end == current.end:
+    if current.verifies(held.length) and current.hash_at(held.length) == held.end:
         return held.length
     k = min(len(held.checkpoints), len(current.checkpoints))
     eq = np.flatnonzero(held.checkpoints[:k] == current.checkpoints[:k])

@@ -18,9 +18,12 @@ host or disk moves it back to the device.
 Entries carry their key (the user in :func:`user_id`'s one form, and the model version
 inside their :class:`Chain`), the chain of the events they encode and the ``max_seq_len``
 (L) of their state. :meth:`KVStore.acquire` takes the current chain (and the caller's L):
-an entry of another L is dropped, and the rest is cut to :func:`longest_valid_prefix` (a
-changed event, a re-anchored window, another model version: the rest is dropped, never
-served) and returned as a :class:`Lease`. A lease pins its user (never moved or dropped
+an entry of another L is dropped; an entry whose end hash the current chain (made from the
+request's events, so it knows the hash at every count) has at the entry's length is served
+whole, the unfinished last page included (a full reuse); any other is cut to
+:func:`longest_valid_prefix`, its last verified block (a changed event, a re-anchored window:
+a partial reuse, the rest dropped, never served; another model version: dropped) and
+returned as a :class:`Lease`. A lease pins its user (never moved or dropped
 while leased) and holds a reference on every slot it hands out: a slot is written only
 while free, and it is freed only when neither an entry nor a lease holds it, so a leased
 state never changes under its reader, whatever other threads store or evict. One lock
@@ -685,16 +688,18 @@ class KVStore:
 
     def _lookup(self, user, chain: Chain, L: int | None) -> Lease:
         e = self._entries.get(user)
-        n = longest_valid_prefix(e.chain, chain) if e is not None else 0
-        if e is not None and (n == 0 or (L is not None and e.max_seq_len != L)):
-            self._stats["invalidated"] += 1
-            self._remove(e)
+        if e is None:
             return self._miss(user)
+        n = longest_valid_prefix(e.chain, chain) if L is None or e.max_seq_len == L else 0
+        cut = n < e.chain.length
+        if cut:  # the held chain disagrees before its end (or another version, another L)
+            self._stats["invalidated"] += 1
         if n == 0:
+            self._remove(e)
             return self._miss(user)
         found = e.tier
         keep = -(-n // self.page_size)
-        cut = n < e.chain.length
+        last = n - (keep - 1) * self.page_size  # rows of the last page kept
         if e.tier == "disk":
             try:
                 pages = self._read(e)
@@ -703,10 +708,10 @@ class KVStore:
                 self._remove(e)
                 return self._miss(user)
         if cut:
-            self._stats["truncated"] += 1
+            e.rows, e.chain = e.rows[:keep - 1] + [last], chain.truncate(n).compact()
         if e.tier == "disk":
             if cut:  # the file holds pages the entry no longer has: rewritten below, or moved up
-                pages, e.rows, e.chain = pages[:keep], e.rows[:keep], e.chain.truncate(n)
+                pages = pages[:keep - 1] + [pages[keep - 1][:, :last]]
             if not self._promote(e, pages) and cut:
                 old_file, old_nbytes = e.file, e.nbytes
                 self._lru["disk"].pop(user, None)
@@ -725,10 +730,10 @@ class KVStore:
         else:
             if cut:
                 self._decref(e.tier, e.slots[keep:])
-                e.slots, e.rows, e.chain = e.slots[:keep], e.rows[:keep], e.chain.truncate(n)
+                e.slots = e.slots[:keep]
             if e.tier != "device":
                 self._promote(e)
-        self._stats[f"hits_{found}"] += 1
+        self._stats[f"{'partial' if cut else 'hits'}_{found}"] += 1
         refs = []
         if self._entries.get(user) is e:
             if e.tier != "disk":
@@ -795,7 +800,7 @@ class KVStore:
                 else:
                     self._decref(old.tier, old.slots[len(reuse):])
                 del self._entries[key]
-            e = _Entry(key, chain, state.max_seq_len, "device", rows, [])
+            e = _Entry(key, chain.compact(), state.max_seq_len, "device", rows, [])
             need = k - len(reuse)
             kept = False  # whether the reused slots now belong to e
             try:
@@ -850,32 +855,42 @@ class KVStore:
             return e.tier if e is not None else None
 
     def stats(self) -> dict:
-        """Counters and gauges: ``lookups``, ``hits`` and ``hit_rate`` per tier (where a lookup
-        found its user), ``misses``, ``invalidated`` (a chain, version or L mismatch dropped the
-        entry), ``unreadable`` (a disk file that is not the one the entry wrote: dropped, a
-        miss), ``write_failed`` (a disk write that failed: its entry dropped), ``truncated``,
+        """Counters and gauges. Each lookup is counted once in ``reuse``: ``full`` (the whole
+        held state was valid and served, its unfinished last page included), ``partial`` (a
+        valid prefix shorter than the held state was served, the rest dropped) or ``miss``
+        (nothing served: nothing held, nothing of it valid, or an unreadable file); their sum
+        is ``lookups``, and ``reuse_rate`` gives each as a fraction of it. Per tier (where the
+        lookup found its user): ``hits`` (full reuses) and ``hit_rate`` (``hits`` / ``lookups``),
+        ``partial_reuses``. ``misses`` (= ``reuse["miss"]``), ``invalidated`` (lookups whose
+        held chain disagrees before its end, or is of another model version or L: each a partial
+        reuse or a miss), ``unreadable`` (a disk file that is not the one the entry wrote:
+        dropped, a miss), ``write_failed`` (a disk write that failed: its entry dropped),
         ``resident_bytes`` and ``users`` per tier (the disk's: its files' real sizes),
         ``capacity_bytes`` (the disk's: ``disk_bytes`` less the folder's lock file), offloads,
         ``dropped`` (pushed off the last tier), ``pinned_users``.
 
         Example::
 
-            s = store.stats(); s["hit_rate"]["device"], s["resident_bytes"]["host"]
+            s = store.stats(); s["reuse_rate"]["full"], s["hit_rate"]["device"], s["resident_bytes"]["host"]
         """
         with self._lock:
             st = dict(self._stats)
-            look = max(st.get("lookups", 0), 1)
+            lookups = st.get("lookups", 0)
+            look = max(lookups, 1)
             hits = {t: st.get(f"hits_{t}", 0) for t in TIERS}
+            partial = {t: st.get(f"partial_{t}", 0) for t in TIERS}
+            reuse = {"full": sum(hits.values()), "partial": sum(partial.values()), "miss": st.get("misses", 0)}
             pb = self._page[2] if self._page else 0
             resident = {t: (self._pools[t].nslots - len(self._pools[t].free)) * pb if self._pools else 0
                         for t in ("device", "host")}
             resident["disk"] = self._disk_used
             cap = {t: (self._pools[t].nslots * pb if self._pools else self.budgets[t]) for t in ("device", "host")}
             cap["disk"] = self._disk_budget()
-            return {"lookups": st.get("lookups", 0), "hits": hits, "hit_rate": {t: hits[t] / look for t in TIERS},
-                    "misses": st.get("misses", 0), "invalidated": st.get("invalidated", 0),
+            return {"lookups": lookups, "reuse": reuse, "reuse_rate": {k: v / look for k, v in reuse.items()},
+                    "hits": hits, "hit_rate": {t: hits[t] / look for t in TIERS}, "partial_reuses": partial,
+                    "misses": reuse["miss"], "invalidated": st.get("invalidated", 0),
                     "unreadable": st.get("unreadable", 0), "write_failed": st.get("write_failed", 0),
-                    "truncated": st.get("truncated", 0), "resident_bytes": resident, "capacity_bytes": cap,
+                    "resident_bytes": resident, "capacity_bytes": cap,
                     "users": {t: len(self._lru[t]) for t in TIERS},
                     "offloaded_device_to_host": st.get("offloaded_device_to_host", 0),
                     "offloaded_device_to_disk": st.get("offloaded_device_to_disk", 0),

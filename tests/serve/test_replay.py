@@ -118,16 +118,23 @@ def test_hit_rates_add_up_per_tier_and_node(shards, tmp_path):
     r = replay(shards, serving_nodes=2, dim=16, cache_dir=tmp_path, **SMALL)
     for part in [r, *r["nodes"]]:
         assert part["lookups"] == part["requests"] - part["requests_without_history"]
-        assert sum(part["hits"].values()) + part["misses"] == part["lookups"]
-        assert sum(part["hit_rate"].values()) == pytest.approx(1.0, abs=1e-12)
+        reuse = part["reuse"]  # each lookup once: a full reuse (hits per tier), a partial reuse or a miss
+        assert reuse == {"full": sum(part["hits"].values()), "partial": sum(part["partial_reuses"].values()),
+                         "miss": part["misses"]}
+        assert sum(reuse.values()) == part["lookups"] and reuse["full"] > 0
+        assert sum(part["reuse_rate"].values()) == pytest.approx(1.0, abs=1e-12)
+        assert part["reuse_rate"]["partial"] == pytest.approx(reuse["partial"] / part["lookups"])
         assert part["hit_rate"]["disk"] == pytest.approx(part["hits"]["disk"] / part["lookups"])
+        assert reuse["partial"] <= part["invalidated"] <= reuse["partial"] + reuse["miss"]
         tok = part["tokens"]
         assert tok["recomputed_fraction"] == pytest.approx(tok["encoded"] / tok["full"])
         assert 0 <= tok["reencoded"] <= tok["encoded"] <= tok["full"]
+        assert tok["new"] + tok["reencoded"] == tok["encoded"]
     for key in ("lookups", "misses", "requests", "impressions", "users", "invalidated"):
         assert r[key] == sum(n[key] for n in r["nodes"]), key
     for t in TIERS:
         assert r["hits"][t] == sum(n["hits"][t] for n in r["nodes"])
+        assert r["partial_reuses"][t] == sum(n["partial_reuses"][t] for n in r["nodes"])
         assert r["resident_bytes"][t] == sum(n["resident_bytes"][t] for n in r["nodes"])
         for n in r["nodes"]:
             assert n["resident_bytes"][t] <= n["peak_resident_bytes"][t] <= SMALL[f"{t}_bytes"]
@@ -247,10 +254,10 @@ def test_the_command_prints_its_report(shards, capsys):
     out = capsys.readouterr().out
     r = json.loads(out)
     assert out.count("\n") == 1 and r["requests"] == 50 and r["equality"]["equal"]
-    assert {"hit_rate", "tokens", "resident_bytes", "nodes", "timing", "model", "cache"} <= set(r)
+    assert {"reuse", "reuse_rate", "hit_rate", "tokens", "resident_bytes", "nodes", "timing", "model", "cache"} <= set(r)
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
-    assert "logits equal: yes" in text and "hit rate: device" in text and "  node 1:" in text
+    assert "logits equal: yes" in text and "reuse: full" in text and "  node 1:" in text
     with pytest.raises(SystemExit) as e:
         cli.main(["replay", "--shards", shards, "--dtype", "float16"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
