@@ -30,39 +30,84 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 import traceback
 
 from userwise.pipelines import console
-from userwise.pipelines.errors import one_line
+from userwise.pipelines.errors import DATE_RANGE, MAX_DAYS, MAX_MB, one_line
 
 
 def _date(s: str) -> str:
     import datetime as dt
 
     try:
-        dt.date.fromisoformat(s)
+        d = dt.date.fromisoformat(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a date YYYY-MM-DD") from None
+    lo, hi = DATE_RANGE
+    if not lo <= d.isoformat() <= hi:
+        raise argparse.ArgumentTypeError(f"{s} is outside the dates a command takes: give a date from {lo} to {hi}")
     return s
 
 
-def _int_at_least(minimum: int):
+# -- the flags' types: each bound is defined once (here, or in pipelines/errors.py where the library
+# checks the same value) and every flag of a kind uses the same type
+INT64_MAX = (1 << 63) - 1
+
+
+def _int_in(minimum: int, maximum: int = INT64_MAX):
+    """An argparse type: an integer in [minimum, maximum], else one line that says what to give."""
     def parse(s: str) -> int:
+        digits = s.strip().lstrip("+-")
+        if digits.isdigit() and len(digits) > 30:  # int() refuses 4,300+ digits with a confusing message
+            raise argparse.ArgumentTypeError(f"{s[:20]}... ({len(digits)} digits) is too large: give at most "
+                                             f"{maximum:,}")
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{v} must be at least {minimum}")
+        if v > maximum:
+            raise argparse.ArgumentTypeError(f"{v:,} is too large: give at most {maximum:,}")
         return v
     parse.__name__ = "integer"
     return parse
 
 
-_pos_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:g}"
+
+
+def _float_in(minimum: float, maximum: float, *, above: bool = False, unit: str = ""):
+    """An argparse type: a finite number in [minimum, maximum] (``above``: > minimum), else one line."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        where = f"{'above' if above else 'at least'} {_num(minimum)} and at most {_num(maximum)}{unit}"
+        if not math.isfinite(v) or v < minimum or (above and v == minimum) or v > maximum:
+            raise argparse.ArgumentTypeError(f"{s} is out of range: give a number {where}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+_pos_int = _int_in(1)
+_nonneg_int = _int_in(0)
+_days = _int_in(1, MAX_DAYS)  # a positive day count (N): a date plus or minus it stays a date
+_days0 = _int_in(0, MAX_DAYS)  # a day count that may be 0 (M)
+_mb = _float_in(0.0, MAX_MB, above=True, unit=" MiB")  # a size in MiB above 0
+_mb0 = _float_in(0.0, MAX_MB, unit=" MiB")  # a size in MiB that may be 0 (a tier that is off)
+MAX_NODES = 10_000  # training or serving nodes
+MAX_RANKS_PER_NODE = 1_024
+MAX_SAMPLE_ROWS = 10_000_000  # what `validate` reads into memory at most
+MAX_ROW_GROUP_ROWS = 1 << 24
+MAX_COPY_STREAMS = 256  # stage's threads
+MAX_RETRIES = 100
 
 
 def _conf(s: str) -> tuple[str, str]:
@@ -143,13 +188,13 @@ def _staged(p):
 
 
 def _incremental_days(p, required=True, default=None):
-    _flag(p, "--incremental-days", dest="incremental_days", type=_nonneg_int, required=required, default=default,
+    _flag(p, "--incremental-days", dest="incremental_days", type=_days0, required=required, default=default,
           metavar="M", help="M: the last M days before as-of are cut into incremental windows; "
                             "older requests are the pretrain samples")
 
 
 def _window_days(p, default=None, note=""):
-    p.add_argument("--window-days", type=_pos_int, default=default, metavar="N",
+    p.add_argument("--window-days", type=_days, default=default, metavar="N",
                    help="N: days per incremental window (N divides M; 1: daily); a job given --date takes the "
                         "window of the N days ending with that date" + note)
 
@@ -165,7 +210,7 @@ def _as_of(p, required=True):
 
 
 def _seed(p, what: str):
-    p.add_argument("--seed", type=int, default=0, metavar="SEED", help=f"the seed of {what}")
+    p.add_argument("--seed", type=_nonneg_int, default=0, metavar="SEED", help=f"the seed of {what}")
 
 
 def _spark(p):
@@ -183,7 +228,7 @@ def _synth_args(p):
     p.add_argument("--output", required=True, metavar="DIR",
                    help="where the logs go: lean/, fat/, actions/ and config*.yaml")
     p.add_argument("--start", type=_date, default="2026-01-01", metavar="YYYY-MM-DD", help="first UTC day")
-    p.add_argument("--days", type=_pos_int, default=3, metavar="DAYS", help="days of log")
+    p.add_argument("--days", type=_days, default=3, metavar="DAYS", help="days of log")
     p.add_argument("--users", type=_pos_int, default=200, metavar="COUNT", help="users (a bot user among them)")
     p.add_argument("--items", type=_pos_int, default=5000, metavar="COUNT", help="distinct items")
     p.add_argument("--impressions", type=_pos_int, default=None, metavar="COUNT",
@@ -200,7 +245,7 @@ def _synth_args(p):
 def _validate_args(p):
     _config(p)
     _input(p)
-    p.add_argument("--sample-rows", type=_pos_int, default=10000, metavar="ROWS", help="rows read for the warnings")
+    p.add_argument("--sample-rows", type=_int_in(1, MAX_SAMPLE_ROWS), default=10000, metavar="ROWS", help="rows read for the warnings")
 
 
 def _build_args(p):
@@ -254,9 +299,9 @@ def _preshard_args(p):
                    help="one incremental window, by its end date (exclusive) (default: every window)")
     _window_days(p, default=None, note=" (here: for a --window that holds no samples, an empty set is published; "
                                        "default: the build's N, else 1)")
-    p.add_argument("--target-shard-mb", type=float, default=256.0, metavar="MB", help="shard size to aim at")
-    p.add_argument("--row-group-rows", type=_pos_int, default=2048, metavar="ROWS", help="samples per row group, at most")
-    p.add_argument("--row-group-mb", type=float, default=128.0, metavar="MB",
+    p.add_argument("--target-shard-mb", type=_mb, default=256.0, metavar="MB", help="shard size to aim at")
+    p.add_argument("--row-group-rows", type=_int_in(1, MAX_ROW_GROUP_ROWS), default=2048, metavar="ROWS", help="samples per row group, at most")
+    p.add_argument("--row-group-mb", type=_mb, default=128.0, metavar="MB",
                    help="also cut a row group at this much (estimated uncompressed) data")
     p.add_argument("--compression", default="zstd", metavar="CODECS",
                    help="zstd | none | snappy (all columns), or col=codec,...")
@@ -281,14 +326,15 @@ def _publish_args(p):
 
 def _stage_args(p):
     _shards(p)
-    p.add_argument("--node", required=True, type=_nonneg_int, metavar="K", help="the node to stage (0-based)")
+    p.add_argument("--node", required=True, type=_int_in(0, MAX_NODES - 1), metavar="K", help="the node to stage (0-based)")
     _staged(p)
-    p.add_argument("--workers", type=_pos_int, default=8, metavar="COUNT", help="parallel copy streams")
+    p.add_argument("--workers", type=_int_in(1, MAX_COPY_STREAMS), default=8, metavar="COUNT",
+                   help="parallel copy streams")
     p.add_argument("--limit-mbps", type=float, default=None, metavar="MB/S",
                    help="cap the copy rate over all workers, e.g. to spare a shared network (default: no cap)")
     p.add_argument("--range-mb", type=float, default=64.0, metavar="MB",
                    help="copy files larger than this as parallel ranges of this size (several streams per file)")
-    p.add_argument("--retries", type=_nonneg_int, default=4, metavar="COUNT",
+    p.add_argument("--retries", type=_int_in(0, MAX_RETRIES), default=4, metavar="COUNT",
                    help="retries of a failed read, with exponential backoff, before the node fails")
 
 
@@ -357,9 +403,9 @@ def _forget_args(p):
 
 
 def _nodes(p, *, required: bool, default):
-    p.add_argument("--nodes", required=required, default=default, type=_pos_int, metavar="NODES",
+    p.add_argument("--nodes", required=required, default=default, type=_int_in(1, MAX_NODES), metavar="NODES",
                    help="training nodes: a node=K/ folder each")
-    p.add_argument("--ranks-per-node", required=required, default=default, type=_pos_int, metavar="RANKS",
+    p.add_argument("--ranks-per-node", required=required, default=default, type=_int_in(1, MAX_RANKS_PER_NODE), metavar="RANKS",
                    help="ranks (GPUs) per node, balanced by cost")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import yaml
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import UserwiseError, short
 from userwise.schemas import TIME_UNITS, Layout, SeqField
 from userwise.schemas.layout import (
     UNITS_PER_SECOND,
@@ -328,7 +328,10 @@ def parse(raw: Any, source: str | None = None) -> Config:
         if k == "max_year" and opts[k] is None:
             continue
         if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 0:
-            raise ConfigError(k, f"expected a non-negative integer, found {opts[k]!r}")
+            raise ConfigError(k, f"expected a non-negative integer, found {short(opts[k])}")
+        hi = MAX_LENGTH if k in ("max_seq_len", "history_length", "max_sample_cost") else MAX_INT
+        if opts[k] > hi:
+            raise ConfigError(k, f"{short(opts[k], 40)} is too large: give at most {hi:,}")
     if not 1 <= opts["min_year"] <= 9999:
         raise ConfigError("min_year", f"{opts['min_year']} is not a year (1..9999)")
     if opts["max_year"] is not None and not opts["min_year"] < opts["max_year"] <= 9999:
@@ -429,24 +432,51 @@ def load(path: str | Path) -> Config:
 # A config file is a few dozen values; aliases may repeat a block, but never expand it into more
 # than this many values (a "billion laughs" file of 735 bytes expands to 9**9).
 YAML_MAX_VALUES = 10_000
+MAX_INT = (1 << 63) - 1
+"""The largest integer a config key takes (Spark's and Arrow's long)."""
+MAX_LENGTH = (1 << 31) - 1
+"""The largest length or cost (max_seq_len, history_length, max_sample_cost): Spark's longest array."""
+# ... and nests a few levels deep: deeper is refused before the parser's recursion could give out.
+YAML_MAX_DEPTH = 100
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document nested deeper than :data:`YAML_MAX_DEPTH`."""
+
+    def compose_node(self, parent, index):
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise _TooDeep()
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooDeep(Exception):
+    pass
 
 
 def safe_yaml(text: str, where: str = "<file>"):
     """``yaml.safe_load(text)``, bounded: a document whose aliases expand to more than
-    :data:`YAML_MAX_VALUES` values (or refer to themselves) is refused before anything is
-    built from it, with :class:`ConfigError` naming ``where``. Every YAML file the product
+    :data:`YAML_MAX_VALUES` values (or refer to themselves), that nests deeper than
+    :data:`YAML_MAX_DEPTH`, or holds a value Python cannot build (an integer of thousands of
+    digits) is refused before anything is built from it, with :class:`ConfigError` naming ``where``. Every YAML file the product
     reads (the config, the Airflow settings) is read through it.
 
     Example::
 
         safe_yaml("a: &x [1, 2]\nb: *x")     # {'a': [1, 2], 'b': [1, 2]}
     """
-    loader = yaml.SafeLoader(text)
+    loader = _BoundedLoader(text)
     try:
         try:
             node = loader.get_single_node()
         except yaml.YAMLError as e:
             raise ConfigError("<file>", f"{where} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
+        except _TooDeep:
+            raise ConfigError("<file>", f"{where}: its YAML nests more than {YAML_MAX_DEPTH} levels deep; a config "
+                                        "is a few levels deep: write the values out flat") from None
         if node is None:
             return None
         sizes: dict[int, int] = {}
@@ -470,7 +500,12 @@ def safe_yaml(text: str, where: str = "<file>"):
             return k
 
         size(node, frozenset())
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, OverflowError) as e:  # a 5,000-digit integer, a date that is not one
+            why = " ".join(str(e).split(";")[0].split())[:200]  # not Python's advice on its own limits
+            raise ConfigError("<file>", f"{where}: a value cannot be read ({why}); "
+                                        "write a number or date within its range, or quote it as a string") from None
     finally:
         loader.dispose()
 

@@ -1,5 +1,6 @@
 """Errors a user can act on. The CLI prints them as one line, no stack trace."""
 
+import math
 import re
 
 
@@ -24,11 +25,28 @@ class ArgumentError(UserwiseError, ValueError):
     so ``except ValueError`` keeps catching it)."""
 
 
+# Bounds of what a user sizes or counts: one definition each, shared by the command line's flag types
+# (pipelines/cli.py) and the library calls that take the same values.
+MAX_MB = float(1 << 20)
+"""The most MiB any size in MiB may be (1 TiB): a shard, a row group, a copy range, a cache tier."""
+MAX_DAYS = 36_500
+"""The most days any day count may be (100 years): a date on the command line lies in
+:data:`DATE_RANGE`, so adding or taking this many days from it stays a representable date."""
+DATE_RANGE = ("1000-01-01", "9899-12-31")
+"""The dates (UTC days) a command takes: four-digit years, at least :data:`MAX_DAYS` from either end of
+what Python can represent."""
+
+
+def _mb(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 < x <= MAX_MB
+
+
 _KINDS = {
     "int": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
     "int>=0": ("an integer >= 0", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0),
     "int>=1": ("an integer >= 1", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1),
     "number": ("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x),
+    "mb": (f"a finite number of MiB above 0 and at most {MAX_MB:.0f}", _mb),
     "str": ("a string", lambda x: isinstance(x, str)),
     "bool": ("true or false", lambda x: isinstance(x, bool)),
     "list": ("a list", lambda x: isinstance(x, list)),
@@ -43,7 +61,7 @@ def short(value, n: int = 80) -> str:
 
 
 def expect(value, kind: str, what: str, *, nullable: bool = False, error: type = ArgumentError, fix: str = ""):
-    """``value`` when it is of ``kind`` (``int``, ``int>=0``, ``int>=1``, ``number``, ``str``,
+    """``value`` when it is of ``kind`` (``int``, ``int>=0``, ``int>=1``, ``number``, ``mb``, ``str``,
     ``bool``, ``list``, ``dict``; an integer numpy scalar counts as an int), else ``error``
     naming ``what``. The one type check of arguments, manifests and loader states.
 

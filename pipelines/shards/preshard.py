@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from userwise.pipelines import console
-from userwise.pipelines.errors import InputError, UserwiseError
+from userwise.pipelines.errors import InputError, UserwiseError, expect
 from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.shards import balance
@@ -117,6 +117,12 @@ def assemble(*, cfg: dict, sets: list[dict], stats: list[dict], nodes: int, rank
     }
 
 
+def _check_sizes(target_shard_mb, row_group_mb) -> None:
+    """A size in MiB is finite, above 0 and at most MAX_MB (nan, inf and -1 are refused)."""
+    expect(target_shard_mb, "mb", "--target-shard-mb")
+    expect(row_group_mb, "mb", "--row-group-mb")
+
+
 def _prepare_output(output: str) -> None:
     """Remove a previous shard set at ``output`` (manifest first); refuse other content."""
     fs, base = mf.resolve(output)
@@ -180,6 +186,7 @@ def preshard_arrow(table: pa.Table, output: str, *, schema: pa.Schema, nodes: in
                    source: dict | None = None, dictionary: str = "all") -> dict:
     """The whole preshard on one machine, from an Arrow table of samples. Same
     assignment, same writer, same manifest as the Spark job."""
+    _check_sizes(target_shard_mb, row_group_mb)
     t0 = time.time()
     cfg = writer_cfg(output, schema, compression=compression, layout=layout,
                       row_group_rows=row_group_rows, row_group_mb=row_group_mb, dictionary=dictionary)
@@ -336,6 +343,8 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     instead of failing the day. Its start is ``window`` minus ``window_days`` (default
     the build's N, else 1)."""
     from pyspark.sql import functions as F
+
+    _check_sizes(target_shard_mb, row_group_mb)
 
     from userwise.pipelines.runtime import delta_io
 
