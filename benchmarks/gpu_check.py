@@ -99,7 +99,7 @@ def overlap(torch, root: str, batch_size: int, workers: int, cap_s: float = 60) 
 
 def gds_path(torch, root: str, batch_size: int, cap_s: float = 60) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-    from userwise.pipelines.loader.gpudirect import kvikio_compat
+    from userwise.pipelines.loader.io.gpudirect import kvikio_compat
 
     auto = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds="auto", device="cuda")
     ds = UserwiseDataset(root, batch_size=batch_size, world_size=1, rank=0, verify="none", gds="device", device="cuda")

@@ -54,7 +54,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
+from userwise.pipelines.loader.planning.plan import BATCH_ORDERS  # noqa: E402
 from userwise.pipelines.shards import manifest as mf  # noqa: E402
 from userwise.pipelines.tools.shardgen import write_shard_set  # noqa: E402
 

@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from userwise.pipelines.loader.plan import BATCH_ORDERS  # noqa: E402
+from userwise.pipelines.loader.planning.plan import BATCH_ORDERS  # noqa: E402
 from userwise.pipelines.shards import manifest as mf  # noqa: E402
 
 PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
@@ -48,8 +48,8 @@ def ceiling_cpu(root: str) -> float:
 
 
 def loader_epoch_cpu(ds, epoch: int) -> dict:
-    from userwise.pipelines.loader import decode
-    from userwise.pipelines.loader.assemble import Prepared
+    from userwise.pipelines.loader.assembly.assemble import Prepared
+    from userwise.pipelines.loader.io import decode
 
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
     acc = dict.fromkeys(PHASES, 0.0)
@@ -86,8 +86,8 @@ def gather_cpu(ds, epoch: int) -> float:
     the shuffle is the gathers themselves; for long lists the loader's run copies beat it."""
     import numpy as np
 
-    from userwise.pipelines.loader import decode
-    from userwise.pipelines.loader.jagged import np_ranges
+    from userwise.pipelines.jagged import np_ranges
+    from userwise.pipelines.loader.io import decode
 
     total = 0.0
     for buf in ds.epochs.plan(epoch).buffers:
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
     a = p.parse_args(argv)
     from userwise.pipelines.loader import UserwiseDataset
-    from userwise.pipelines.loader.workers import keep_heap
+    from userwise.pipelines.loader.workers.pool import keep_heap
 
     keep_heap()  # as in the loader's worker processes, where the benchmark's epochs decode
 

@@ -23,8 +23,10 @@ complete state, writer locks, published records). Above them:
 :mod:`~userwise.pipelines.manage` (backfill, forget: both steps at once) and
 :mod:`~userwise.pipelines.tools` (synthetic logs and samples, local stores, the demo).
 The modules every part shares: ``errors`` (errors a user can act on), ``console`` (a
-command's report on stdout, text or JSON, and the exit codes), ``config`` (the column
-roles) and ``cli`` (the ``userwise`` command). ``tests/ops/test_layers.py``
+command's report on stdout, text or JSON, and the exit codes), ``jagged`` (the jagged-array
+helpers the loader, the trainer's side and serving share: offsets, ranges, positions, request
+spans, packing arrays into one batch buffer), ``config`` (the column roles) and ``cli`` (the
+``userwise`` command). ``tests/ops/test_layers.py``
 holds the order in which they may import each other.
 
 Nothing here imports pyspark at package import time.

@@ -1,6 +1,6 @@
 """The column layout: how a user's input columns land in our tables (names, levels, roles).
 
-(Not the loader's buffer layout, :mod:`userwise.pipelines.loader.buffer_layout`, where a
+(Not the loader's buffer layout, :mod:`userwise.pipelines.loader.assembly.buffer_layout`, where a
 batch's arrays sit in its buffer, nor the kernels' argument layouts,
 :mod:`userwise.pipelines.train.kernel_args`.)
 

@@ -16,48 +16,35 @@ Public names::
   ``UserwiseError`` and a ``ValueError``, as every error a loader argument can cause:
   :class:`~userwise.pipelines.errors.ArgumentError`).
 
-Modules, from the shard files to the trainer:
+Subpackages and modules, from the shard files to the trainer (a subpackage imports only those
+listed before it and ``logs``; ``tests/ops/test_layers.py`` checks it):
 
-- ``shards``: one node's staged shards: manifest, verification, row-group metadata.
-- ``plan``: the epoch plan, a pure seeded function of row-group sizes (rank split, equal
-  batch counts, shuffle, batch cuts).
-- ``distributed``: the local rank and world size, and the one all-reduce by which the ranks
-  of several nodes agree on an epoch's batch counts.
-- ``epochs``: :class:`~userwise.pipelines.loader.epochs.Epochs`, the one owner of a rank's epoch
-  plans (the current one and one made ahead), the cursor and resume (``dataset.epochs``).
+- ``logs``: the ``userwise.loader`` logger and its once-per-process notices.
+- ``io``: one node's staged shards (manifest, verification, row-group metadata), Parquet and
+  GDS reads, decoding to flat columns.
+- ``planning``: the epoch plan (a pure seeded function of row-group sizes: rank split, equal
+  batch counts, shuffle, batch cuts), the cross-node agreement, the loader's state and
+  :class:`~userwise.pipelines.loader.planning.epochs.Epochs`, the one owner of a rank's plans,
+  cursor and resume (``dataset.epochs``).
+- ``assembly``: :class:`JaggedBatch` and :func:`expand_batch`, the buffer layout, the host
+  (compiled or numpy) and device assemblers.
+- ``workers``: the persistent worker processes, their rings of shared-memory slots and the
+  messages on their pipes, how they end with the trainer, pinned memory.
 - ``dataset``: :class:`UserwiseDataset`: checks its arguments and turns each buffer of a plan
   into its batches.
-- ``reading``: Parquet row groups read as Arrow tables (files kept open per process and
-  thread, pages CRC-checked, the read-ahead lanes).
-- ``gpudirect``: which data path a dataset reads by (GDS side files straight to the device, or
-  Parquet), and the side files' reads.
-- ``decode``: shard bytes (Parquet or GDS side files) to flat columns.
-- ``jagged``: the small jagged-array helpers the loader and the trainer's side share (ranges,
-  offsets from lengths, positions in segments, request spans, packing at the batch alignment).
-- ``buffer_layout``: where every array of a batch sits in its one buffer, once per schema.
-- ``stacked``: a host buffer's columns stacked per group and shuffled once.
-- ``program``: the compiled assembler's two kernel calls per batch.
-- ``segcopy`` and ``kernels``: the segmented copy (numba, or numpy without it).
-- ``assemble``: the host assembler; ``assemble_torch``: the device assembler (GDS path).
-- ``batch``: :class:`JaggedBatch` and :func:`expand_batch`.
-- ``ring``: a worker's ring of reused shared-memory batch buffers, and the messages on its pipes
-  (``Work``, ``Ready``, ``Done``, ``Failed``).
-- ``lifeline``: how a worker process ends with its trainer, however the trainer ends.
-- ``workers``: the persistent worker processes and their pool.
-- ``pinned``: the pool of pinned host buffers, and page-locking workers' slots (CUDA).
 - ``loader``: :class:`UserwiseLoader` (workers, pinned copies, side-stream prefetch; its state is
   its dataset's ``epochs``).
-- ``resume``: the loader's state: what it records, what a loaded state must match, and the
-  exact remap of a mid-epoch change of world size or batch cut by the samples consumed.
 - ``diagnose``: ``userwise diagnose``, the three-step bottleneck test.
-- ``logs``: the ``userwise.loader`` logger and its once-per-process notices.
+
+The jagged-array helpers the loader, the trainer's side and serving share live below every
+part, in :mod:`userwise.pipelines.jagged`.
 
 Never imports pyspark.
 """
 
-from userwise.pipelines.loader.batch import JaggedBatch, expand_batch
+from userwise.pipelines.loader.assembly.batch import JaggedBatch, expand_batch
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import UserwiseLoader
-from userwise.pipelines.loader.resume import LoaderStateError
+from userwise.pipelines.loader.planning.resume import LoaderStateError
 
 __all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStateError"]

@@ -1,7 +1,7 @@
 """The dataset: one rank's plan over one node's staged shards, and its batches.
 
 :class:`UserwiseDataset` checks its arguments, hands what decides the plan to its
-:class:`~userwise.pipelines.loader.epochs.Epochs` (``dataset.epochs``: the epoch plans, the
+:class:`~userwise.pipelines.loader.planning.epochs.Epochs` (``dataset.epochs``: the epoch plans, the
 cursor and resume), and turns each planned buffer into its batches: read
 (Parquet, :mod:`reading`; or GDS side files, :mod:`gpudirect`), checked and decoded
 (:mod:`decode`), assembled (:mod:`assemble` on the host, :mod:`assemble_torch` on the
@@ -20,13 +20,15 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
-from userwise.pipelines.loader import assemble_torch, decode, distributed, gpudirect
-from userwise.pipelines.loader.assemble import Prepared, empty_batch, empty_layout
-from userwise.pipelines.loader.batch import as_device
-from userwise.pipelines.loader.epochs import Epochs
-from userwise.pipelines.loader.plan import PlanSettings, RankPlan, check_batch_order
-from userwise.pipelines.loader.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
-from userwise.pipelines.loader.shards import VERIFY, NodeShards, open_node
+from userwise.pipelines.loader.assembly import assemble_torch
+from userwise.pipelines.loader.assembly.assemble import Prepared, empty_batch, empty_layout
+from userwise.pipelines.loader.assembly.batch import as_device
+from userwise.pipelines.loader.io import decode, gpudirect
+from userwise.pipelines.loader.io.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
+from userwise.pipelines.loader.io.shards import VERIFY, NodeShards, open_node
+from userwise.pipelines.loader.planning import distributed
+from userwise.pipelines.loader.planning.epochs import Epochs
+from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, check_batch_order
 
 __all__ = ["UserwiseDataset"]
 
@@ -48,8 +50,8 @@ def auto_buffer_row_groups(rg_rows, rg_bytes=None) -> int:
 
 
 def _setting(name: str, doc: str) -> property:
-    """A read-only view of one of the plan's settings (:class:`~userwise.pipelines.loader.plan.PlanSettings`,
-    owned by the dataset's :class:`~userwise.pipelines.loader.epochs.Epochs`)."""
+    """A read-only view of one of the plan's settings (:class:`~userwise.pipelines.loader.planning.plan.PlanSettings`,
+    owned by the dataset's :class:`~userwise.pipelines.loader.planning.epochs.Epochs`)."""
     return property(lambda self: getattr(self.epochs.settings, name), doc=doc)
 
 
@@ -93,7 +95,7 @@ class UserwiseDataset(IterableDataset):
         all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
             agree on batch counts with one all-reduce (max) per epoch. Default True.
 
-    ``dataset.epochs`` (:class:`~userwise.pipelines.loader.epochs.Epochs`) plans this rank's
+    ``dataset.epochs`` (:class:`~userwise.pipelines.loader.planning.epochs.Epochs`) plans this rank's
     epochs and holds where the iteration is (epoch, cursor, a loaded state); the arguments that
     decide the plan read back as read-only attributes (``ds.seed``, ``ds.rank``...).
 

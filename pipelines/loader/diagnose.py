@@ -17,7 +17,7 @@ import torch
 
 from userwise.pipelines import console
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines.loader.assembly.batch import JaggedBatch
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import UserwiseLoader
 

@@ -1,11 +1,11 @@
 """The loader trainers use in place of torch's DataLoader.
 
-Persistent worker processes (:mod:`~userwise.pipelines.loader.workers`, started once, fed
+Persistent worker processes (:mod:`~userwise.pipelines.loader.workers.pool`, started once, fed
 one epoch plan per iteration) decode buffers in parallel and write each batch into a ring
-of reused shared-memory buffers (:mod:`~userwise.pipelines.loader.ring`). The main process
+of reused shared-memory buffers (:mod:`~userwise.pipelines.loader.workers.ring`). The main process
 takes batches in the epoch's order (so resumption is exact with any number of workers),
 copies them out of the ring into a pool of reused pinned buffers
-(:mod:`~userwise.pipelines.loader.pinned`) and on to the device on a side CUDA stream,
+(:mod:`~userwise.pipelines.loader.workers.pinned`) and on to the device on a side CUDA stream,
 ``prefetch`` batches ahead, so the copy overlaps compute. Without an accelerator the same
 code yields host batches.
 """
@@ -23,13 +23,13 @@ import torch
 import torch.multiprocessing as mp
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
-from userwise.pipelines.loader import segcopy
-from userwise.pipelines.loader.batch import JaggedBatch, as_device, full_device
+from userwise.pipelines.loader.assembly import segcopy
+from userwise.pipelines.loader.assembly.batch import JaggedBatch, as_device, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.logs import say_once
-from userwise.pipelines.loader.pinned import PinnedPool
-from userwise.pipelines.loader.ring import MAX_SLOTS, PIPE_BYTES, Done, Failed, Ready, Work, describe
-from userwise.pipelines.loader.workers import WorkerPool
+from userwise.pipelines.loader.workers.pinned import PinnedPool
+from userwise.pipelines.loader.workers.pool import WorkerPool
+from userwise.pipelines.loader.workers.ring import MAX_SLOTS, PIPE_BYTES, Done, Failed, Ready, Work, describe
 
 # The most batches a worker may hold ready: its ring has worker_queue + 2 slots (one the consumer
 # holds, one lent), and every slot number must fit in the pipe that hands them back (ring.MAX_SLOTS).
@@ -94,10 +94,10 @@ class UserwiseLoader:
 
     State (``state_dict``/``load_state_dict``): a small JSON-able dict, ``{"epoch",
     "cursor", "seed", "samples", ...}`` with what it depends on (node, rank, world size,
-    batch size or token budget, the shard set, the selection; :mod:`~userwise.pipelines.loader.resume`).
+    batch size or token budget, the shard set, the selection; :mod:`~userwise.pipelines.loader.planning.resume`).
     ``cursor`` is the number of batches of the epoch already handed out, so a reloaded
     loader continues at exactly the next batch. A state that does not fit is refused
-    (:class:`~userwise.pipelines.loader.resume.LoaderStateError`); a world size or batch
+    (:class:`~userwise.pipelines.loader.planning.resume.LoaderStateError`); a world size or batch
     cut changed mid-epoch is remapped by the samples consumed, from every rank's state.
 
     Example::
@@ -167,7 +167,7 @@ class UserwiseLoader:
         every rank's (as ``dist.all_gather_object`` collects them; needed to change the world
         size, batch size or token budget mid-epoch). Its fields are checked now (a few
         comparisons); the plan is checked when the epoch is planned, at the next iteration.
-        Raises :class:`~userwise.pipelines.loader.resume.LoaderStateError` for a state
+        Raises :class:`~userwise.pipelines.loader.planning.resume.LoaderStateError` for a state
         that does not fit this loader."""
         self._epochs.load_state_dict(state)
 

@@ -65,9 +65,9 @@ import pyarrow.compute as pc
 import torch
 
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, expect
-from userwise.pipelines.loader.jagged import np_offsets, np_segment_ids
-from userwise.pipelines.loader.reading import open_parquet, read_row_groups
-from userwise.pipelines.loader.shards import VERIFY, open_node
+from userwise.pipelines.jagged import np_offsets, np_segment_ids
+from userwise.pipelines.loader.io.reading import open_parquet, read_row_groups
+from userwise.pipelines.loader.io.shards import VERIFY, open_node
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.runtime.ship import private_tmp
 from userwise.pipelines.serve.chain import Chain
@@ -247,8 +247,8 @@ def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None =
     ``[max(0, seq_end - L), seq_end)``. ``verify``: how the shards' files are checked
     against the manifest before they are read, the loader's modes (``checksum``: size and
     sha256, ``size``, ``none``). The shards are read by the loader's reader
-    (:func:`~userwise.pipelines.loader.shards.open_node`, then
-    :func:`~userwise.pipelines.loader.reading.read_row_groups`): every footer checked against
+    (:func:`~userwise.pipelines.loader.io.shards.open_node`, then
+    :func:`~userwise.pipelines.loader.io.reading.read_row_groups`): every footer checked against
     the manifest and every page against its CRC in each mode, so a damaged file is a
     :class:`ShardError` naming it, never a trace of other data.
 
@@ -300,7 +300,7 @@ def read_trace(shards: str, *, serving_nodes: int = 1, max_seq_len: int | None =
 
 def _read_node(node, columns: list) -> pa.Table:
     """Every row group of one training node's shards (an opened, verified
-    :class:`~userwise.pipelines.loader.shards.NodeShards`), as the loader reads them: each page
+    :class:`~userwise.pipelines.loader.io.shards.NodeShards`), as the loader reads them: each page
     checked against its CRC, a failed read a :class:`ShardError` naming the file."""
     files = {}
 

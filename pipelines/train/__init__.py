@@ -27,7 +27,7 @@ Modules, in the order data flows through them:
   point-wise forward, and their FLOPs.
 
 The jagged helpers (ranges, offsets, positions in segments) are the loader's
-(:mod:`userwise.pipelines.loader.jagged`). Torch only (the kernels are optional and never
+(:mod:`userwise.pipelines.jagged`). Torch only (the kernels are optional and never
 imported); never imports pyspark. See docs/training.md.
 """
 

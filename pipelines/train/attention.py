@@ -24,7 +24,7 @@ import math
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.jagged import ranges
+from userwise.pipelines.jagged import ranges
 from userwise.pipelines.train.masks import Intervals
 
 __all__ = ["block_attention", "dense_attention", "flex_attention", "attend", "IMPLEMENTATIONS"]

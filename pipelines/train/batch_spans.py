@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.jagged import request_spans, segment_ids
+from userwise.pipelines.jagged import request_spans, segment_ids
 
 __all__ = ["Spans", "spans"]
 

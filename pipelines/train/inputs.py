@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.jagged import offsets, ranges
+from userwise.pipelines.jagged import offsets, ranges
 from userwise.pipelines.train.batch_spans import Spans, spans
 from userwise.schemas.layout import field_name, input_name
 

@@ -2,7 +2,7 @@
 and what each kernel's mask is.
 
 (Not the column layout of :mod:`userwise.schemas.layout` nor the loader's buffer layout,
-:mod:`userwise.pipelines.loader.buffer_layout`.)
+:mod:`userwise.pipelines.loader.assembly.buffer_layout`.)
 
 The kernels attend over jagged sequences of *slots*: a history (stored events) followed
 by targets (impressions). Each layout records which stored event or impression sits in
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.jagged import offsets, positions
+from userwise.pipelines.jagged import offsets, positions
 from userwise.pipelines.train.batch_spans import Spans
 
 __all__ = ["KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask", "hstu_varlen_mask", "audit",

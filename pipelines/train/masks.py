@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.loader.jagged import offsets as offsets_of
-from userwise.pipelines.loader.jagged import positions, ranges, segment_ids
+from userwise.pipelines.jagged import offsets as offsets_of
+from userwise.pipelines.jagged import positions, ranges, segment_ids
 from userwise.pipelines.train.batch_spans import Spans
 
 __all__ = ["Intervals", "target_intervals", "causal_intervals", "request_sequences", "RequestSequences",

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.jagged import offsets, pack, positions, request_spans
 from userwise.pipelines.loader import JaggedBatch
-from userwise.pipelines.loader.jagged import offsets, pack, positions, request_spans
 
 __all__ = ["stochastic_length", "keep_mask"]
 

@@ -1,4 +1,4 @@
-"""The jagged helpers the loader and the trainer's side share (pipelines/loader/jagged.py):
+"""The jagged helpers the loader and the trainer's side share (pipelines/jagged.py):
 each equals its plain definition, on both of its paths (numpy for host tensors, torch ops
 for device tensors: run here on CPU tensors by forcing the device path), and pack lays
 arrays out as the loader's batches are laid out."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from userwise.pipelines.loader import jagged
-from userwise.pipelines.loader.batch import JaggedBatch
+from userwise.pipelines import jagged
+from userwise.pipelines.loader.assembly.batch import JaggedBatch
 
 
 @pytest.fixture(params=["host", "device"])

@@ -20,7 +20,7 @@ import torch
 
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader, expand_batch
-from userwise.pipelines.loader.epochs import Epochs
+from userwise.pipelines.loader.planning.epochs import Epochs
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 
@@ -427,7 +427,7 @@ def test_two_node_set_reads_only_its_node(tmp_path):
 def test_run_copies_of_long_lists_give_the_same_bytes_as_gathers(shardset, monkeypatch):
     """Long sequences are copied run by run (stacked.Runs), short ones gathered element-wise:
     both paths must produce byte-identical batches."""
-    from userwise.pipelines.loader import stacked
+    from userwise.pipelines.loader.assembly import stacked
 
     def batches(threshold):
         monkeypatch.setattr(stacked, "RUN_COPY_MIN", threshold)
@@ -467,7 +467,7 @@ def test_read_ahead_lanes_keep_order_own_their_files_and_stop_with_the_epoch(sha
     shuffles and cuts: same batches as without read-ahead, a read's error reaches the consumer
     after the batches before it, no read outlives an epoch stopped early, and the dataset still
     pickles (spawned workers) after its lanes started."""
-    from userwise.pipelines.loader import reading
+    from userwise.pipelines.loader.io import reading
 
     kw = dict(batch_size=4, seed=3, world_size=1, rank=0, verify="none", device="cpu")
     ds = UserwiseDataset(shardset, **kw)
@@ -532,7 +532,7 @@ class _Event:
 
 
 def test_pinned_pool_reuses_buffers_only_after_their_copy_and_grows_within_its_cap():
-    from userwise.pipelines.loader.pinned import PinnedPool
+    from userwise.pipelines.loader.workers.pinned import PinnedPool
 
     made = []
     pool = PinnedPool(3, alloc=lambda n: made.append(torch.empty(n, dtype=torch.uint8)) or made[-1])
@@ -614,7 +614,7 @@ def test_zero_copy_consumer_holding_every_batch_gets_copies_and_never_stalls(sha
 
 _HEAP_PROBE = r"""
 import ctypes, resource, sys
-from userwise.pipelines.loader.workers import keep_heap
+from userwise.pipelines.loader.workers.pool import keep_heap
 if sys.argv[1] == "keep":
     assert keep_heap()
 libc = ctypes.CDLL("libc.so.6")
@@ -646,7 +646,7 @@ def test_workers_keep_freed_buffers_in_the_heap():
 
 
 def test_worker_processes_keep_their_heap_the_trainer_does_not(shardset, tmp_path, monkeypatch):
-    from userwise.pipelines.loader import workers as loader_mod
+    from userwise.pipelines.loader.workers import pool as loader_mod
 
     def mark():
         (tmp_path / f"keep-{os.getpid()}").touch()

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, distributed
+from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
+from userwise.pipelines.loader.planning import distributed
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 
 SEED = 5
@@ -230,7 +231,7 @@ NCCL = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as d
     from userwise.pipelines.loader import UserwiseDataset
-    from userwise.pipelines.loader.distributed import collective_device
+    from userwise.pipelines.loader.planning.distributed import collective_device
 
     root, ports = sys.argv[1], [int(p) for p in sys.argv[2:4]]
     torch.cuda.set_device(0)

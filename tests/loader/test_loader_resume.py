@@ -10,8 +10,8 @@ import pytest
 
 from userwise.pipelines.errors import UserwiseError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-from userwise.pipelines.loader.epochs import Epochs
-from userwise.pipelines.loader.resume import LoaderStateError
+from userwise.pipelines.loader.planning.epochs import Epochs
+from userwise.pipelines.loader.planning.resume import LoaderStateError
 from userwise.pipelines.shards import manifest as mf
 from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
 

@@ -1,4 +1,4 @@
-"""The epoch plan (``pipelines/loader/plan.py``) on its own: a pure, seeded function of
+"""The epoch plan (``pipelines/loader/planning/plan.py``) on its own: a pure, seeded function of
 row-group sizes, checked as properties over random nodes (hypothesis) rather than on one
 shard set. For any row-group sizes, sets, rank split, holdout, batch size or token budget:
 
@@ -18,8 +18,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from userwise.pipelines.loader.jagged import np_offsets
-from userwise.pipelines.loader.plan import assign, cut, equalize, plan_node
+from userwise.pipelines.jagged import np_offsets
+from userwise.pipelines.loader.planning.plan import assign, cut, equalize, plan_node
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

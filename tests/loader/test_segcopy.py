@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from userwise.pipelines.loader import segcopy
+from userwise.pipelines.loader.assembly import segcopy
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import UserwiseLoader
 from userwise.pipelines.tools.shardgen import write_shard_set
@@ -125,8 +125,8 @@ def test_loader_batches_are_the_same_bytes_with_either_copy(shardset, monkeypatc
     """Whole epochs (strings, validity, long and short lists) assembled by the compiled batch
     kernels and by numpy are byte-identical (every list group copied by runs, or the default
     choice of runs and gathered blocks)."""
-    from userwise.pipelines.loader import stacked
-    from userwise.pipelines.loader.program import BatchProgram
+    from userwise.pipelines.loader.assembly import stacked
+    from userwise.pipelines.loader.assembly.program import BatchProgram
 
     assert segcopy.batch_kernels() is not None, "numba is in the loader's extra: the batch kernels must compile"
 
@@ -156,7 +156,7 @@ def test_without_numba_the_numpy_copy_is_chosen():
     import subprocess
     import sys
 
-    code = ("from userwise.pipelines.loader import segcopy; import numpy as np; "
+    code = ("from userwise.pipelines.loader.assembly import segcopy; import numpy as np; "
             "o = np.zeros(4, np.int64); segcopy.seg_copy(np.arange(10), np.array([7, 1]), np.array([2, 2]), o); "
             "print(segcopy.implementation(), o.tolist())")
     env = dict(os.environ, USERWISE_NO_NUMBA="1")
@@ -170,7 +170,7 @@ def every_kind_of_column(n: int = 57) -> dict:
     req_num_imps, and a list column with its own offsets."""
     import pyarrow as pa
 
-    from userwise.pipelines.loader import decode
+    from userwise.pipelines.loader.io import decode
 
     rng = np.random.default_rng(3)
     num_events = rng.choice([0, 1, 2, 40, 300], n)
@@ -198,8 +198,8 @@ def test_batch_kernels_equal_numpy_on_every_kind_of_column(monkeypatch):
     impressions with req_num_imps, and a list column with its own offsets. Batches cut from
     the permuted buffer by the compiled kernels and by numpy are the same bytes, for ranges
     that include empty samples and the empty range, with runs and with gathered blocks."""
-    from userwise.pipelines.loader import stacked
-    from userwise.pipelines.loader.assemble import Prepared
+    from userwise.pipelines.loader.assembly import stacked
+    from userwise.pipelines.loader.assembly.assemble import Prepared
 
     rng = np.random.default_rng(3)
     n = 57
@@ -229,8 +229,9 @@ def test_an_empty_batch_is_made_from_the_layout_alone():
     alone (no samples gathered), they are the same bytes, spec and counts as an empty range cut
     from a buffer of that layout (compiled or numpy) and as the device assembler's gather of no
     samples, on host and (through ``empty_layout``) device columns alike."""
-    from userwise.pipelines.loader import assemble_torch, decode
-    from userwise.pipelines.loader.assemble import Prepared, empty_batch, empty_layout
+    from userwise.pipelines.loader.assembly import assemble_torch
+    from userwise.pipelines.loader.assembly.assemble import Prepared, empty_batch, empty_layout
+    from userwise.pipelines.loader.io import decode
 
     cols = every_kind_of_column()
     alloc = lambda k: torch.full((k,), 7, dtype=torch.uint8)  # noqa: E731 (stale bytes: all must be written)

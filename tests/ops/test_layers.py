@@ -5,7 +5,8 @@ imports pyspark.
 Layers, lowest first (a module may import its own layer's package and the layers below):
 
 0. ``schemas``: every table's and file's schema
-1. ``pipelines.errors`` and ``pipelines.console`` (a command's report and exit codes)
+1. ``pipelines.errors``, ``pipelines.console`` (a command's report and exit codes) and
+   ``pipelines.jagged`` (the jagged-array helpers the loader, trainer and serving share)
 2. ``pipelines.runtime``: storage, progress, the Spark session, jars, Delta I/O, shipping
 3. ``pipelines.config``: the column roles
 4. ``pipelines.records``: the build folder's records (``_userwise/``)
@@ -15,6 +16,11 @@ Layers, lowest first (a module may import its own layer's package and the layers
 8. ``pipelines.manage``: backfill and forget, over both steps
 9. ``pipelines.tools``: synthetic logs and samples, local stores
 10. ``pipelines.cli`` and the demo (``tools.demo``), which run the commands
+
+Inside the loader, its subpackages are ordered the same way (:data:`LOADER`): ``logs``, then
+``io`` (the reads), ``planning`` (the plans: shard metadata from ``io``), ``assembly`` (batches
+from ``io``'s columns), ``workers``; the modules at the loader's top (``dataset``, ``loader``,
+``diagnose``) put them together.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [
     ["schemas"],
-    ["pipelines.errors", "pipelines.console"],
+    ["pipelines.errors", "pipelines.console", "pipelines.jagged"],
     ["pipelines.runtime"],
     ["pipelines.config"],
     ["pipelines.records"],
@@ -42,9 +48,18 @@ LAYERS = [
     ["pipelines.cli", "pipelines.tools.demo", "pipelines"],
 ]
 # What a trainer imports without a JVM (schemas.core imports pyspark only inside to_spark()).
-NEVER_PYSPARK = ("pipelines.loader", "pipelines.train", "pipelines.records", "pipelines.shards.stage",
+NEVER_PYSPARK = ("pipelines.loader", "pipelines.jagged", "pipelines.train", "pipelines.records", "pipelines.shards.stage",
                  "pipelines.shards.manifest", "pipelines.shards.gds", "pipelines.shards.balance",
                  "pipelines.shards.publish", "pipelines.config", "pipelines.errors")
+
+
+# The loader's parts, lowest first: a loader module imports its own part and those before it.
+LOADER = [
+    ["pipelines.loader.logs"],
+    ["pipelines.loader.io"],
+    ["pipelines.loader.planning", "pipelines.loader.assembly", "pipelines.loader.workers"],
+    ["pipelines.loader"],
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,6 +125,40 @@ def violations() -> list[str]:
 
 def test_imports_point_down_only():
     assert violations() == []
+
+
+def loader_violations() -> list[str]:
+    """Loader modules that import a later part of the loader, or a peer part (:data:`LOADER`)."""
+    def part(name):
+        best = None
+        for i, pkgs in enumerate(LOADER):
+            for pkg in pkgs:
+                if (name == pkg or name.startswith(pkg + ".")) and (best is None or len(pkg) > len(best[1])):
+                    best = (i, pkg)
+        return best
+
+    bad = []
+    for name, path in modules().items():
+        if not name.startswith("pipelines.loader"):
+            continue
+        me, mine = part(name)
+        for dep in imports(path):
+            if dep.startswith("pipelines.loader") and dep != "pipelines.loader":
+                them, theirs = part(dep)
+                if them > me or (them == me and theirs != mine and me != len(LOADER) - 1):
+                    bad.append(f"{name} ({mine}) imports {dep} ({theirs})")
+    return sorted(bad)
+
+
+def test_the_loader_s_parts_import_down_only(monkeypatch):
+    assert loader_violations() == []
+    import tests.ops.test_layers as me
+
+    real = me.imports
+    monkeypatch.setattr(me, "imports", lambda p: real(p) | ({"pipelines.loader.dataset"}
+                                                           if p.name == "ring.py" else set()))
+    assert "pipelines.loader.workers.ring (pipelines.loader.workers) imports pipelines.loader.dataset " \
+           "(pipelines.loader)" in loader_violations()
 
 
 def test_the_layer_check_can_fail(monkeypatch):

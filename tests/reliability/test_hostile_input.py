@@ -28,7 +28,7 @@ from userwise.pipelines import errors
 from userwise.pipelines.config import ConfigError, safe_yaml
 from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-from userwise.pipelines.loader.resume import LoaderStateError
+from userwise.pipelines.loader.planning.resume import LoaderStateError
 from userwise.pipelines.records.writer_lock import FolderLock, LockedError, WriterLock
 from userwise.pipelines.shards import preshard, stage
 from userwise.pipelines.tools.shardgen import build_samples, layout

@@ -118,8 +118,9 @@ def test_device_assembler_gives_the_same_bytes_as_the_host_assembler(gdsset):
     with the host assembler's bytes (the GPU run of the same code: tests/loader/test_gpu.py)."""
     import torch
 
-    from userwise.pipelines.loader import assemble_torch, decode
-    from userwise.pipelines.loader.assemble import Prepared
+    from userwise.pipelines.loader.assembly import assemble_torch
+    from userwise.pipelines.loader.assembly.assemble import Prepared
+    from userwise.pipelines.loader.io import decode
 
     ds = UserwiseDataset(gdsset, gds="host", world_size=1, rank=0, batch_size=8, seed=3, verify="none")
     alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731

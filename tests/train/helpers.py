@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from userwise.pipelines.jagged import pack
 from userwise.pipelines.loader import JaggedBatch, UserwiseDataset, UserwiseLoader
-from userwise.pipelines.loader.jagged import pack
 from userwise.pipelines.tools.shardgen import write_shard_set
 from userwise.pipelines.train import Spans, UserBatch
 

@@ -13,8 +13,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from tests.train.helpers import synthetic, with_arrays
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.jagged import ranges
 from userwise.pipelines.loader import expand_batch
-from userwise.pipelines.loader.jagged import ranges
 from userwise.pipelines.train import (
     Intervals,
     causal_intervals,

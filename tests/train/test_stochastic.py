@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.jagged import ranges
 from userwise.pipelines.loader import expand_batch
-from userwise.pipelines.loader.jagged import ranges
 from userwise.pipelines.train import ReferenceRanker, UserBatch, spans, stochastic_length
 from userwise.pipelines.train.stochastic import keep_mask
 

@@ -62,7 +62,7 @@ def open_parquet(path: str, memory_map: bool = True, pool: str | None = None) ->
     checked as it is read: a corrupt page fails the read, whatever ``verify`` checked before."""
     pool = read_pool() if pool is None else pool
     if "://" in path and not path.startswith("file:"):  # read straight from a store: the slow path
-        from userwise.pipelines.loader.shards import source
+        from userwise.pipelines.loader.io.shards import source
 
         path, memory_map = source(path), False
     if pool == "arrow":
@@ -116,7 +116,7 @@ class ShardFiles:
 
 def read_row_groups(shards, open_file: Callable[[int], pq.ParquetFile], rgs, columns, *,
                     use_threads: bool = True) -> pa.Table:
-    """Row groups ``rgs`` (the node's global numbers, :class:`~userwise.pipelines.loader.shards.NodeShards`)
+    """Row groups ``rgs`` (the node's global numbers, :class:`~userwise.pipelines.loader.io.shards.NodeShards`)
     as one Arrow table, as read: consecutive row groups of one file in one read call.
     ``open_file(shard)`` gives a shard's open file; a failed read is a :class:`ShardError`
     naming the file."""

@@ -1,4 +1,5 @@
-"""The small jagged-array helpers, written once: the loader and the trainer's side share them.
+"""The small jagged-array helpers, written once: the loader, the trainer's side and serving share them
+(a module below every part: it imports numpy and torch only).
 
 A jagged layout is flat values plus offsets (``[S + 1]``, segment ``s`` is
 ``values[offsets[s]:offsets[s + 1]]``). The helpers here turn lengths into offsets

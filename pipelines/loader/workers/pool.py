@@ -1,9 +1,9 @@
 """The loader's persistent worker processes: started once, fed one epoch plan per iteration.
 
 Each worker decodes its buffers and writes each batch into its ring of shared-memory slots
-(:mod:`~userwise.pipelines.loader.ring`); the trainer takes the batches in the epoch's
+(:mod:`~userwise.pipelines.loader.workers.ring`); the trainer takes the batches in the epoch's
 order, lends them out without a copy or copies them into pinned memory, and gives the
-slots back. How a worker ends with its trainer is :mod:`~userwise.pipelines.loader.lifeline`.
+slots back. How a worker ends with its trainer is :mod:`~userwise.pipelines.loader.workers.lifeline`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import weakref
 import torch
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError
-from userwise.pipelines.loader.dataset import UserwiseDataset
-from userwise.pipelines.loader.lifeline import Lifeline
 from userwise.pipelines.loader.logs import say_once
-from userwise.pipelines.loader.pinned import host_register, host_unregister
-from userwise.pipelines.loader.ring import MAX_SLOTS, SLOT, Done, Failed, Ready, Ring, Work, send
+from userwise.pipelines.loader.workers.lifeline import Lifeline
+from userwise.pipelines.loader.workers.pinned import host_register, host_unregister
+from userwise.pipelines.loader.workers.ring import MAX_SLOTS, SLOT, Done, Failed, Ready, Ring, Work, send
 
 
-def worker_main(ds: UserwiseDataset, worker: int, cmd, out, free, nslots: int, read_threads: bool = False,
+def worker_main(ds, worker: int, cmd, out, free, nslots: int, read_threads: bool = False,
                  life: Lifeline | None = None) -> None:
     """A persistent worker: waits for an epoch's plan, sends its batches, waits for the next.
+    ``ds``: the :class:`~userwise.pipelines.loader.UserwiseDataset` (its ``batches``).
 
-    ``cmd`` brings :class:`~userwise.pipelines.loader.ring.Work` (None: exit), ``out`` takes
-    :class:`~userwise.pipelines.loader.ring.Ready` per batch, then ``Done`` (or ``Failed``),
+    ``cmd`` brings :class:`~userwise.pipelines.loader.workers.ring.Work` (None: exit), ``out`` takes
+    :class:`~userwise.pipelines.loader.workers.ring.Ready` per batch, then ``Done`` (or ``Failed``),
     ``free`` brings slot numbers back. All are one-way pipes with one reader and one writer each:
     messages are pickled and written by the thread that sends them (no feeder thread to
     hand the GIL to between batches, no lock). ``life``: how it ends with its trainer."""

@@ -16,13 +16,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from userwise.pipelines.loader import segcopy
-from userwise.pipelines.loader.batch import JaggedBatch
-from userwise.pipelines.loader.buffer_layout import COUNT_B, COUNT_B1, BatchLayout, layout_of
-from userwise.pipelines.loader.decode import Col
-from userwise.pipelines.loader.jagged import ALIGN, np_ranges
-from userwise.pipelines.loader.program import BatchProgram
-from userwise.pipelines.loader.stacked import Runs, as_numpy, permute, stack
+from userwise.pipelines.jagged import ALIGN, np_ranges
+from userwise.pipelines.loader.assembly import segcopy
+from userwise.pipelines.loader.assembly.batch import JaggedBatch
+from userwise.pipelines.loader.assembly.buffer_layout import COUNT_B, COUNT_B1, BatchLayout, layout_of
+from userwise.pipelines.loader.assembly.program import BatchProgram
+from userwise.pipelines.loader.assembly.stacked import Runs, as_numpy, permute, stack
+from userwise.pipelines.loader.io.decode import Col
 
 
 class Prepared:

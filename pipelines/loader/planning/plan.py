@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from userwise.pipelines.errors import ArgumentError
-from userwise.pipelines.loader.jagged import np_offsets, np_positions
-from userwise.pipelines.loader.shards import NodeShards
+from userwise.pipelines.jagged import np_offsets, np_positions
+from userwise.pipelines.loader.io.shards import NodeShards
 
 # the order of the samples inside one batch (the batch's samples are the same either way)
 BATCH_ORDERS = ("stored", "shuffled")
@@ -91,8 +91,8 @@ def holdout(rg_rows, rg_set, *, split: str, eval_set_idx, eval_user_share: float
 @dataclass(frozen=True)
 class PlanSettings:
     """What decides one rank's plans besides the epoch: the node's shards and the dataset's
-    (checked) arguments. The dataset makes it once; :class:`~userwise.pipelines.loader.epochs.Epochs`
-    plans from it and :mod:`~userwise.pipelines.loader.resume` checks saved states against it."""
+    (checked) arguments. The dataset makes it once; :class:`~userwise.pipelines.loader.planning.epochs.Epochs`
+    plans from it and :mod:`~userwise.pipelines.loader.planning.resume` checks saved states against it."""
 
     shards: NodeShards
     rank: int

@@ -56,7 +56,7 @@ class NodeShards:
         ``staged_node`` that ``stage`` adds, so a set read from its root and its staged copies
         are the same set on every node. The manifest holds every file's sha256, the sets and
         the shape (nodes, ranks per node), so any change of the set's content changes it.
-        A loader state records it (:mod:`~userwise.pipelines.loader.resume`)."""
+        A loader state records it (:mod:`~userwise.pipelines.loader.planning.resume`)."""
         if self._fingerprint is None:
             m = {k: v for k, v in self.manifest.items() if k != "staged_node"}
             text = json.dumps(m, sort_keys=True, separators=(",", ":"), default=str)

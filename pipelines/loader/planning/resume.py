@@ -43,11 +43,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from userwise.pipelines.errors import UserwiseError, expect
-from userwise.pipelines.loader.jagged import np_offsets
-from userwise.pipelines.loader.plan import PlanSettings, RankPlan, assign, plan_node
+from userwise.pipelines.jagged import np_offsets
+from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assign, plan_node
 
-# ``cfg`` below is what decides the plan (:class:`~userwise.pipelines.loader.plan.PlanSettings`); the
-# one owner of the epochs, the cursor and the loaded state is :class:`~userwise.pipelines.loader.epochs.Epochs`.
+# ``cfg`` below is what decides the plan (:class:`~userwise.pipelines.loader.planning.plan.PlanSettings`); the
+# one owner of the epochs, the cursor and the loaded state is :class:`~userwise.pipelines.loader.planning.epochs.Epochs`.
 
 # What a saved run's consumed samples can be remapped across (by the samples consumed).
 REMAPPED = ("world_size", "batch_size", "token_budget")

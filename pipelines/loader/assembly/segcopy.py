@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from userwise.pipelines.loader.decode import NUMPY_DTYPES
+from userwise.pipelines.loader.io.decode import NUMPY_DTYPES
 from userwise.pipelines.loader.logs import log
 
 _IMPL = None
@@ -38,7 +38,7 @@ def _numpy_copy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: n
 
 
 def _compile():
-    from userwise.pipelines.loader import kernels as nb
+    from userwise.pipelines.loader.assembly import kernels as nb
 
     i = np.zeros(1, np.int64)
     nb.kernel(np.zeros(2, np.int64), i, i + 1, np.zeros(2, np.int64))  # fails here if numba cannot compile at all

@@ -24,7 +24,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from userwise.pipelines.loader.decode import Col, group_of
+from userwise.pipelines.loader.io.decode import Col, group_of
 
 
 class Part(IntEnum):

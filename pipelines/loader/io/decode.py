@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from userwise.pipelines.errors import ShardError
-from userwise.pipelines.loader.jagged import np_offsets, offsets
+from userwise.pipelines.jagged import np_offsets, offsets
 from userwise.pipelines.shards import gds as gdsmod
 
 REQ_LISTS = ("req_id", "req_time", "req_seq_begin", "req_seq_end", "req_num_imps", "req_snapshot")

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from userwise.pipelines.loader.batch import JaggedBatch
-from userwise.pipelines.loader.buffer_layout import Part, layout_key
-from userwise.pipelines.loader.decode import Col, group_of, torch_cols
-from userwise.pipelines.loader.jagged import dtype_name, offsets, pack, ranges, repeat, segment_ids, take
+from userwise.pipelines.jagged import dtype_name, offsets, pack, ranges, repeat, segment_ids, take
+from userwise.pipelines.loader.assembly.batch import JaggedBatch
+from userwise.pipelines.loader.assembly.buffer_layout import Part, layout_key
+from userwise.pipelines.loader.io.decode import Col, group_of, torch_cols
 
 
 class _Array(NamedTuple):

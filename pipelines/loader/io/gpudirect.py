@@ -5,7 +5,7 @@ by kvikio, when kvikio has its GDS driver, a GPU is the target and the shards ha
 files), ``"gds-host"`` (the side files read on the host: a test path) or ``"parquet"``
 (Parquet through host memory, pinned on CUDA hosts), and says once which and why.
 :func:`read_side_files` reads row groups from the side files as flat columns
-(:class:`~userwise.pipelines.loader.decode.Col`), on the device for ``"gds"``.
+(:class:`~userwise.pipelines.loader.io.decode.Col`), on the device for ``"gds"``.
 
 Example::
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from userwise.pipelines.errors import ArgumentError, ShardError
-from userwise.pipelines.loader import decode
+from userwise.pipelines.loader.io import decode
 from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.shards import gds as gdsmod
 

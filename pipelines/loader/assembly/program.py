@@ -16,10 +16,10 @@ from types import ModuleType
 
 import numpy as np
 
-from userwise.pipelines.loader.batch import JaggedBatch
-from userwise.pipelines.loader.buffer_layout import BatchLayout
-from userwise.pipelines.loader.jagged import ALIGN
-from userwise.pipelines.loader.stacked import Permuted, Runs
+from userwise.pipelines.jagged import ALIGN
+from userwise.pipelines.loader.assembly.batch import JaggedBatch
+from userwise.pipelines.loader.assembly.buffer_layout import BatchLayout
+from userwise.pipelines.loader.assembly.stacked import Permuted, Runs
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One rank's epochs: the one owner of the epoch plan, the plan made ahead, the cursor and resume.
 
 :class:`Epochs` plans this rank's epochs from a dataset's
-:class:`~userwise.pipelines.loader.plan.PlanSettings` (:func:`~userwise.pipelines.loader.plan.plan_node`,
+:class:`~userwise.pipelines.loader.planning.plan.PlanSettings` (:func:`~userwise.pipelines.loader.planning.plan.plan_node`,
 with the holdout, the cross-node agreement of :mod:`distributed` and what a resumed state already
 consumed, :mod:`resume`), keeps the current epoch's plan and one made ahead, and knows where the
 iteration is: the epoch, the cursor (batches handed out), the samples in them, and a loaded state
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from userwise.pipelines.loader import distributed, resume
-from userwise.pipelines.loader.plan import PlanSettings, RankPlan, assign, holdout, plan_node
+from userwise.pipelines.loader.planning import distributed, resume
+from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assign, holdout, plan_node
 
 __all__ = ["Epochs"]
 
@@ -134,7 +134,7 @@ class Epochs:
     def begin(self) -> tuple[RankPlan, int]:
         """An iteration starts: the current epoch's plan (a loaded state's first ``cursor``
         batches checked against it: the saved run's plan, made again) and the first batch to
-        hand out. Raises :class:`~userwise.pipelines.loader.resume.LoaderStateError` when the
+        hand out. Raises :class:`~userwise.pipelines.loader.planning.resume.LoaderStateError` when the
         plan cannot reproduce the loaded state."""
         plan = self.plan()
         if self._loaded is not None:

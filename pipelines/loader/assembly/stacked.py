@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from userwise.pipelines.loader import segcopy
-from userwise.pipelines.loader.buffer_layout import BatchLayout, GroupRecipe
-from userwise.pipelines.loader.decode import Col
-from userwise.pipelines.loader.jagged import np_offsets, np_ranges, np_segment_ids
-from userwise.pipelines.loader.segcopy import seg_copy
+from userwise.pipelines.jagged import np_offsets, np_ranges, np_segment_ids
+from userwise.pipelines.loader.assembly import segcopy
+from userwise.pipelines.loader.assembly.buffer_layout import BatchLayout, GroupRecipe
+from userwise.pipelines.loader.assembly.segcopy import seg_copy
+from userwise.pipelines.loader.io.decode import Col
 
 # mean list length from which whole runs are copied instead of gathering elements
 RUN_COPY_MIN = 32

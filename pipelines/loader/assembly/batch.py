@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from userwise.pipelines.errors import ArgumentError
-from userwise.pipelines.loader.jagged import (
+from userwise.pipelines.jagged import (
     np_offsets,
     np_ranges,
     np_request_spans,
