@@ -14,6 +14,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.parquet_thrift import i32_fields
 from userwise import schemas
 from userwise.pipelines import cli
 from userwise.pipelines.errors import ShardError, UserwiseError
@@ -21,73 +22,7 @@ from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.shards import preshard
 from userwise.pipelines.tools.shardgen import build_samples, layout, write_shard_set
 
-# -- page headers (Thrift compact protocol) ------------------------------------------------
-
-
-def _varint(b, i):
-    r = s = 0
-    while True:
-        x = b[i]
-        i += 1
-        r |= (x & 0x7F) << s
-        s += 7
-        if not x & 0x80:
-            return r, i
-
-
-def _skip(b, i, t):
-    """Past one value of compact type ``t`` at ``i``."""
-    if t in (1, 2):  # booleans live in the field header
-        return i
-    if t == 3:
-        return i + 1
-    if t in (4, 5, 6):
-        return _varint(b, i)[1]
-    if t == 7:
-        return i + 8
-    if t == 8:
-        n, i = _varint(b, i)
-        return i + n
-    if t in (9, 10):  # list, set
-        h = b[i]
-        i += 1
-        n, et = h >> 4, h & 0x0F
-        if n == 15:
-            n, i = _varint(b, i)
-        for _ in range(n):
-            i = i + 1 if et in (1, 2) else _skip(b, i, et)
-        return i
-    if t == 11:  # map
-        n, i = _varint(b, i)
-        if n:
-            kv = b[i]
-            i += 1
-            for _ in range(n):
-                i = _skip(b, _skip(b, i, kv >> 4), kv & 0x0F)
-        return i
-    if t == 12:
-        return _struct(b, i)[1]
-    raise ValueError(f"not a Thrift compact type: {t}")
-
-
-def _struct(b, i):
-    """A struct's i32 fields by id, and the position after it."""
-    fields, fid = {}, 0
-    while True:
-        h = b[i]
-        i += 1
-        if h == 0:
-            return fields, i
-        if h >> 4:
-            fid += h >> 4
-        else:
-            n, i = _varint(b, i)
-            fid = (n >> 1) ^ -(n & 1)
-        if h & 0x0F == 5:
-            v, i = _varint(b, i)
-            fields[fid] = (v >> 1) ^ -(v & 1)
-        else:
-            i = _skip(b, i, h & 0x0F)
+# -- page headers ------------------------------------------------------------------------------
 
 
 def pages(path):
@@ -102,7 +37,7 @@ def pages(path):
             i = cc.dictionary_page_offset if cc.has_dictionary_page else cc.data_page_offset
             end = i + cc.total_compressed_size
             while i < end:
-                f, j = _struct(data, i)
+                f, j = i32_fields(data, i)
                 out.append((cc.path_in_schema, g, f[1], i, j, j + f[3], 4 in f))  # 1 type, 3 size, 4 crc
                 i = j + f[3]
     return out

@@ -25,6 +25,7 @@ import textwrap
 import pytest
 
 from tests.reliability.test_hostile_input import cli, edit, one_error
+from tests.support import parquet_thrift
 from userwise import schemas
 from userwise.pipelines.errors import ArgumentError, ShardError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
@@ -156,100 +157,9 @@ def test_an_ill_typed_dataset_device_is_refused_before_a_file_is_read(tmp_path, 
 # -- 3. row counts in the footer -------------------------------------------------------------------
 
 
-def _varint(b, i):
-    r = s = 0
-    while True:
-        x = b[i]
-        i += 1
-        r |= (x & 0x7F) << s
-        s += 7
-        if not x & 0x80:
-            return r, i
-
-
-def _skip(b, i, t):
-    """Past one Thrift compact value of type ``t`` at ``i``."""
-    if t in (1, 2):
-        return i
-    if t == 3:
-        return i + 1
-    if t in (4, 5, 6):
-        return _varint(b, i)[1]
-    if t == 7:
-        return i + 8
-    if t == 8:
-        n, i = _varint(b, i)
-        return i + n
-    if t in (9, 10):
-        h = b[i]
-        n, et, i = h >> 4, h & 0x0F, i + 1
-        if n == 15:
-            n, i = _varint(b, i)
-        for _ in range(n):
-            i = i + 1 if et in (1, 2) else _skip(b, i, et)
-        return i
-    if t == 11:
-        n, i = _varint(b, i)
-        if n:
-            kv, i = b[i], i + 1
-            for _ in range(n):
-                i = _skip(b, _skip(b, i, kv >> 4), kv & 0x0F)
-        return i
-    if t == 12:
-        return _fields(b, i)[1]
-    raise ValueError(f"not a Thrift compact type: {t}")
-
-
-def _fields(b, i):
-    """A struct's fields at ``i``: {id: (type, start of the value)}, and the position after it."""
-    out, fid = {}, 0
-    while True:
-        h = b[i]
-        i += 1
-        if h == 0:
-            return out, i
-        if h >> 4:
-            fid += h >> 4
-        else:
-            n, i = _varint(b, i)
-            fid = (n >> 1) ^ -(n & 1)
-        out[fid] = (h & 0x0F, i)
-        i = _skip(b, i, h & 0x0F)
-
-
 def row_count_bytes(path):
-    """Where each row group's ``num_rows`` (RowGroup field 3, an i64 varint) sits in the file,
-    with its value: the FileMetaData's field 4 is the list of row groups."""
-    data = open(path, "rb").read()
-    size = len(data)
-    meta_len = int.from_bytes(data[size - 8:size - 4], "little")
-    start = size - 8 - meta_len
-    top, _ = _fields(data, start)
-    t, i = top[4]
-    assert t == 9
-    h = data[i]
-    n, i = h >> 4, i + 1
-    if n == 15:
-        n, i = _varint(data, i)
-    out = []
-    for _ in range(n):
-        rg, i2 = _fields(data, i)
-        t3, j = rg[3]
-        z, end = _varint(data, j)
-        out.append((j, end, (z >> 1) ^ -(z & 1)))
-        i = i2
-    return out
-
-
-def _zigzag(v):
-    z = (v << 1) ^ (v >> 63)
-    out = bytearray()
-    while True:
-        if z < 0x80:
-            out.append(z)
-            return bytes(out)
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
+    """Where each row group's ``num_rows`` sits in ``path``'s footer, with its value."""
+    return parquet_thrift.row_count_bytes(open(path, "rb").read())
 
 
 def _rewrite(root, path, counts):
@@ -260,7 +170,7 @@ def _rewrite(root, path, counts):
     where = row_count_bytes(path)
     for g, rows in counts.items():
         a, z, _ = where[g]
-        new = _zigzag(rows)
+        new = parquet_thrift.zigzag_bytes(rows)
         assert len(new) == z - a, (rows, z - a)
         data[a:z] = new
     with open(path, "wb") as f:
