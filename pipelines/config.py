@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import yaml
 
-from userwise.pipelines.errors import UserwiseError, short
+from userwise.pipelines.errors import ConfigError, short
 from userwise.schemas import TIME_UNITS, Layout, SeqField
 from userwise.schemas.layout import (
     UNITS_PER_SECOND,
@@ -29,15 +29,6 @@ from userwise.schemas.layout import (
     storage_schema,
     storage_type,
 )
-
-
-class ConfigError(UserwiseError, ValueError):
-    """A config that cannot work; the message says where and how to fix it."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"config error at {key}: {message}")
-
 
 COLUMN_ROLES = {
     "user": "str",

@@ -26,9 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class JarsError(RuntimeError):
-    pass
+from userwise.pipelines.errors import JarsError
 
 
 @dataclass(frozen=True)
@@ -202,11 +200,6 @@ def cli(args) -> int:
     with ``--json`` ``{"jars": [...]}``."""
     from userwise.pipelines import console
 
-    try:
-        paths = ensure(verbose=True)
-    except JarsError as e:
-        from userwise.pipelines.errors import UserwiseError
-
-        raise UserwiseError(str(e)) from None
+    paths = ensure(verbose=True)  # a JarsError is a UserwiseError: one error line
     console.emit({"jars": list(paths)}, lambda rep: "\n".join(rep["jars"]))
     return 0

@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from userwise.pipelines.errors import StorageError
+
 WEBHDFS_ENV = "USERWISE_WEBHDFS"
 
 
@@ -46,10 +48,6 @@ def apply(shipped: dict[str, str] | None) -> None:
     for k, v in (shipped or {}).items():
         if not os.environ.get(k):
             os.environ[k] = v
-
-
-class StorageError(OSError):
-    """A location that no filesystem here can open."""
 
 
 def is_local(path: str) -> bool:

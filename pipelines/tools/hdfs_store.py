@@ -33,7 +33,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import EXIT_USER, StoreError
 from userwise.pipelines.runtime import jars
 
 HADOOP_VERSION = "3.5.0"
@@ -51,10 +51,6 @@ HADOOP = jars.JarSet(
 )
 MAIN = "org.apache.hadoop.test.MiniDFSClusterManager"
 SHELL = "org.apache.hadoop.fs.FsShell"
-
-
-class StoreError(UserwiseError):
-    """The store cannot start (no Java, no jars, the cluster exits or never answers)."""
 
 
 def ensure_jars(verbose: bool = True) -> list[str]:
@@ -188,4 +184,4 @@ if __name__ == "__main__":
         print(json.dumps({"jars": ensure_jars()}, indent=1))
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USER)

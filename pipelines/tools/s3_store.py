@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import EXIT_USER, StoreError
 from userwise.pipelines.runtime import jars
 
 HOST = "127.0.0.1"  # loopback only: the store is never reachable from another machine
@@ -58,10 +58,6 @@ ENV_CREDENTIALS = "software.amazon.awssdk.auth.credentials.EnvironmentVariableCr
 # that writes the table (Delta's default for s3/s3a/s3n too; named here so that it shows).
 LOG_STORE = "io.delta.storage.S3SingleDriverLogStore"
 _OFFLINE, _ONLINE = signal.SIGUSR1, signal.SIGUSR2  # to the server: close its port / open it again
-
-
-class StoreError(UserwiseError):
-    """The S3 store cannot start (moto missing, the server exits or never answers)."""
 
 
 def ensure_jars(verbose: bool = True, delta: bool = False) -> list[str]:
@@ -307,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                           "spark_conf": s3a_conf(region=os.environ.get("AWS_REGION") or REGION)}, indent=1))
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER
     return 0
 
 
