@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.train.attention import attend
 from userwise.pipelines.train.batch_spans import Spans
 from userwise.pipelines.train.inputs import UserBatch
@@ -57,7 +57,7 @@ CACHEABLE = ("sample", "window", "none")
 def _long(x, name: str) -> torch.Tensor:
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise UserwiseError(f"{name} must hold integer ids, got {t.dtype}")
+        raise ArgumentError(f"{name} must hold integer ids, got {t.dtype}")
     return t.long()
 
 
@@ -84,7 +84,7 @@ class Events:
         n = self.item.shape[0]
         if self.item.dim() != 1 or self.side.dim() != 2 or self.side.shape[0] != n or self.action.shape != (n,) or \
                 (self.time is not None and self.time.shape != (n,)):
-            raise UserwiseError(f"Events: item {tuple(self.item.shape)}, side {tuple(self.side.shape)}, action "
+            raise ArgumentError(f"Events: item {tuple(self.item.shape)}, side {tuple(self.side.shape)}, action "
                                 f"{tuple(self.action.shape)}: use item [n], side [n, F], action [n] (time [n])")
 
     def __len__(self) -> int:
@@ -92,14 +92,14 @@ class Events:
 
     def __getitem__(self, s: slice) -> "Events":
         if not isinstance(s, slice):
-            raise UserwiseError("Events are sliced with a range (events[a:b]), not indexed")
+            raise ArgumentError("Events are sliced with a range (events[a:b]), not indexed")
         return Events(self.item[s], self.side[s], self.action[s], None if self.time is None else self.time[s])
 
     def cat(self, other: "Events") -> "Events":
         """These events followed by ``other``'s."""
         times = [e.time for e in (self, other) if e.time is not None]
         if len(times) == 1 and len(self if self.time is None else other):
-            raise UserwiseError("Events.cat: both parts need time, or neither")
+            raise ArgumentError("Events.cat: both parts need time, or neither")
         t = torch.cat(times) if times else None
         return Events(torch.cat([self.item, other.item]), torch.cat([self.side, other.side]),
                       torch.cat([self.action, other.action]), t)
@@ -135,7 +135,7 @@ class Candidates:
         object.__setattr__(self, "item", _long(self.item, "Candidates.item"))
         object.__setattr__(self, "side", _long(self.side, "Candidates.side"))
         if self.item.dim() != 1 or self.side.dim() != 2 or self.side.shape[0] != self.item.shape[0]:
-            raise UserwiseError(f"Candidates: item {tuple(self.item.shape)}, side {tuple(self.side.shape)}: "
+            raise ArgumentError(f"Candidates: item {tuple(self.item.shape)}, side {tuple(self.side.shape)}: "
                                 "use item [c], side [c, F]")
 
     def __len__(self) -> int:
@@ -162,11 +162,11 @@ class KVState:
     def __post_init__(self):
         object.__setattr__(self, "pages", tuple(self.pages))
         if self.page_size < 1 or self.max_seq_len < 1:
-            raise UserwiseError(f"page_size={self.page_size}, max_seq_len={self.max_seq_len}: use numbers >= 1")
+            raise ArgumentError(f"page_size={self.page_size}, max_seq_len={self.max_seq_len}: use numbers >= 1")
         rows = [int(p.shape[1]) for p in self.pages]
         if sum(rows) != self.length or any(r != self.page_size for r in rows[:-1]) or \
                 (rows and not 0 < rows[-1] <= self.page_size):
-            raise UserwiseError(f"a KVState of {self.length} events has pages of {rows} rows: every page but the "
+            raise ArgumentError(f"a KVState of {self.length} events has pages of {rows} rows: every page but the "
                                 f"last holds page_size={self.page_size} rows, the last 1 to page_size")
 
     @property
@@ -194,7 +194,7 @@ class KVState:
         if n == self.length:
             return self
         if n % self.page_size or not 0 <= n <= self.length:
-            raise UserwiseError(f"truncate({n}): a state of {self.length} events truncates at a page boundary "
+            raise ArgumentError(f"truncate({n}): a state of {self.length} events truncates at a page boundary "
                                 f"(a multiple of {self.page_size}) or its length")
         return KVState(self.pages[:n // self.page_size], n, self.page_size, self.max_seq_len)
 
@@ -205,16 +205,16 @@ class KVState:
 
 def _check(model: ReferenceRanker, state: KVState | None = None):
     if not isinstance(model, ReferenceRanker):
-        raise UserwiseError(f"incremental serving takes a ReferenceRanker, got {type(model).__name__}")
+        raise ArgumentError(f"incremental serving takes a ReferenceRanker, got {type(model).__name__}")
     if model.encoder == "request":
-        raise UserwiseError("encoder='request' re-encodes each request's span on its own, so an event's encoding "
+        raise ArgumentError("encoder='request' re-encodes each request's span on its own, so an event's encoding "
                             "changes as the span moves: it is not prefix-stable and its K/V cannot be cached; "
                             "serve it with full_scores, or train with encoder='sample' or 'window'")
     if state is not None and state.pages:
         want = (2 * len(model.blocks) + 2, model.dim)
         got = (int(state.pages[0].shape[0]), int(state.pages[0].shape[2]))
         if got != want:
-            raise UserwiseError(f"the state's pages are [{got[0]} slots, dim {got[1]}], the model's [{want[0]}, "
+            raise ArgumentError(f"the state's pages are [{got[0]} slots, dim {got[1]}], the model's [{want[0]}, "
                                 f"{want[1]}]: the state was made by another model; prefill it again")
 
 
@@ -407,7 +407,7 @@ def training_encoder(model: ReferenceRanker, max_seq_len: int | None = None) -> 
         check_prefix_stable(training_encoder(model), history, new)
     """
     if model.encoder == "request" and max_seq_len is None:
-        raise UserwiseError("training_encoder of encoder='request' needs max_seq_len (the span it encodes)")
+        raise ArgumentError("training_encoder of encoder='request' needs max_seq_len (the span it encodes)")
 
     @torch.no_grad()
     def encode(ev: Events) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from userwise.pipelines.errors import ArgumentError, UserwiseError, short
+from userwise.pipelines.errors import ArgumentError, short
 from userwise.schemas.hashing import xxhash64, xxhash64_longs
 
 __all__ = ["user_id", "node_of", "nodes_of", "user_keys"]
@@ -97,7 +97,7 @@ def nodes_of(users, nodes: int) -> np.ndarray:
         nodes_of(np.arange(10), 4)
     """
     if int(nodes) < 1:
-        raise UserwiseError(f"nodes={nodes}: route to at least one node")
+        raise ArgumentError(f"nodes={nodes}: route to at least one node")
     return _jump(user_keys(users), int(nodes))
 
 
