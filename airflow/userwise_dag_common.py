@@ -58,18 +58,6 @@ DEFAULTS: dict[str, Any] = {
 # Keys a run may override (DAG params / the Variable); the rest are fixed at parse time.
 RUN_KEYS = ("config", "input", "input_partition", "actions", "build_dir", "shards", "incremental_days",
             "window_days", "nodes", "ranks_per_node", "py_files", "jobs", "jars", "packages", "spark_conf")
-# Old names of keys, accepted for one release with a warning: the keys are the command line's
-# words (build_dir as --build-dir, incremental_days, M, as --incremental-days).
-ALIASES = {"output": "build_dir", "pretrain_days": "incremental_days"}
-
-
-def _new_name(k: str, where: str) -> str:
-    if k in ALIASES:
-        import warnings
-
-        warnings.warn(f"{where}: {k!r} is an old name of {ALIASES[k]!r}; use {ALIASES[k]!r} (the old name goes in the "
-                      "next release)", FutureWarning, stacklevel=3)
-    return ALIASES.get(k, k)
 # Run conf keys that are not settings: the processed day a manual run asks for.
 RUN_ONLY = ("date",)
 
@@ -79,10 +67,9 @@ class SettingsError(ValueError):
 
 
 def _check_keys(layer: dict, where: str, allowed: tuple[str, ...] = ()) -> dict:
-    """The layer with aliases resolved; a key that is not a run setting is refused by name."""
+    """The layer's run settings; a key that is not a run setting is refused by name."""
     out = {}
     for k, v in layer.items():
-        k = _new_name(k, where)
         if k in RUN_KEYS or k in allowed:
             out[k] = v
         elif k in DEFAULTS:
@@ -102,7 +89,6 @@ def load_file(path: str | os.PathLike | None = None) -> dict[str, Any]:
     out = dict(DEFAULTS)
     if path.exists():
         got = safe_yaml(path.read_text(), str(path)) or {}
-        got = {_new_name(k, str(path)): v for k, v in got.items()}
         unknown = sorted(set(got) - set(DEFAULTS))
         if unknown:
             raise SettingsError(f"{path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")

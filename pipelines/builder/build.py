@@ -38,49 +38,49 @@ def input_bytes(spec: str) -> int:
     return total
 
 
-def windows(as_of: dt.date, pretrain_days: int, window_days: int) -> list[tuple[dt.date, dt.date]]:
-    if pretrain_days < 0:
-        raise UserwiseError(f"--pretrain-days must be >= 0, got {pretrain_days}")
-    if pretrain_days % window_days:
+def windows(as_of: dt.date, incremental_days: int, window_days: int) -> list[tuple[dt.date, dt.date]]:
+    if incremental_days < 0:
+        raise UserwiseError(f"--incremental-days must be >= 0, got {incremental_days}")
+    if incremental_days % window_days:
         raise UserwiseError(
-            f"--window-days {window_days} does not divide --pretrain-days {pretrain_days}: "
+            f"--window-days {window_days} does not divide --incremental-days {incremental_days}: "
             "the last M days must cut into whole N-day windows")
-    start = as_of - dt.timedelta(days=pretrain_days)
+    start = as_of - dt.timedelta(days=incremental_days)
     return [(start + dt.timedelta(days=k), start + dt.timedelta(days=k + window_days))
-            for k in range(0, pretrain_days, window_days)]
+            for k in range(0, incremental_days, window_days)]
 
 
-def build(spark, cfg: C.Config, input_path: str, output: str, as_of, pretrain_days: int, window_days: int,
+def build(spark, cfg: C.Config, input_path: str, build_dir: str, as_of, incremental_days: int, window_days: int,
           actions_path: str | None = None) -> dict:
     T = as_date(as_of)
-    wins = windows(T, pretrain_days, window_days)
-    boundary = T - dt.timedelta(days=pretrain_days)
+    wins = windows(T, incremental_days, window_days)
+    boundary = T - dt.timedelta(days=incremental_days)
     if cfg.fat and actions_path:
         raise UserwiseError("--actions is for lean input; fat rows carry their own sequence")
-    output = storage.absolute(output)
-    log(f"build: input {input_path} -> {output}, as-of {T}, pretrain before {boundary}, "
+    build_dir = storage.absolute(build_dir)
+    log(f"build: input {input_path} -> {build_dir}, as-of {T}, pretrain before {boundary}, "
         f"{len(wins)} incremental windows of {window_days} day(s)")
-    with state.job(output, "build", input=input_path, as_of=T.isoformat(), pretrain_days=pretrain_days,
+    with state.job(build_dir, "build", config=cfg.source, input=input_path, as_of=T.isoformat(), incremental_days=incremental_days,
                         window_days=window_days, actions=actions_path):
-        ing = ingest_range(spark, cfg, input_path, output, None, T, actions_path, as_of=T)
+        ing = ingest_range(spark, cfg, input_path, build_dir, None, T, actions_path, as_of=T)
         layout = ing.layout
-        retention = max(pretrain_days, window_days) + 7
-        build_record.save(output, cfg, layout, retention_days=retention, as_of=T.isoformat(),
-                          pretrain_days=pretrain_days, window_days=window_days)
+        retention = max(incremental_days, window_days) + 7
+        build_record.save(build_dir, cfg, layout, retention_days=retention, as_of=T.isoformat(),
+                          incremental_days=incremental_days, window_days=window_days)
         plan = [("pretrain", None, boundary)] + [("incremental", ws, we) for ws, we in wins]
-        sets = set_samples(spark, cfg, layout, output, plan)
+        sets = set_samples(spark, cfg, layout, build_dir, plan)
         for out, (_, ws, _) in zip(sets, plan):
             log_set(out, ws)
         # the history as of the end of the day before as-of (what the daily jobs would have left)
-        with progress.step("history", delta_io.commits(delta_io.table_path(output, "history"))):
-            History(spark, cfg, layout, output).derive(T - dt.timedelta(days=1), retention,
+        with progress.step("history", delta_io.commits(delta_io.table_path(build_dir, "history"))):
+            History(spark, cfg, layout, build_dir).derive(T - dt.timedelta(days=1), retention,
                                                        since=dt.date(1970, 1, 1))
     with progress.step("report"):
-        return report(spark, cfg, layout, input_path, output, ing.counts, sets)
+        return report(spark, cfg, layout, input_path, build_dir, ing.counts, sets)
 
 
-def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict]) -> dict:
-    samples_path = delta_io.table_path(output, "samples")
+def report(spark, cfg, layout, input_path, build_dir, counts: dict, sets: list[dict]) -> dict:
+    samples_path = delta_io.table_path(build_dir, "samples")
     in_samples = sum(s["impressions"] for s in sets)
     rep = {
         **counts,
@@ -96,7 +96,7 @@ def report(spark, cfg, layout, input_path, output, counts: dict, sets: list[dict
     if layout.fat:
         from userwise.pipelines.builder.fat_rows import snapshot_counts
 
-        rep.update(snapshot_counts(spark, output, [(s["kind"], s["window_end"]) for s in sets]))
+        rep.update(snapshot_counts(spark, build_dir, [(s["kind"], s["window_end"]) for s in sets]))
     rep["bytes_in"] = input_bytes(input_path)
     rep["bytes_out"] = delta_io.table_bytes(samples_path)  # the current version only, not replaced files
     rep["storage_ratio"] = round(rep["bytes_in"] / rep["bytes_out"], 3) if rep["bytes_out"] else None

@@ -28,38 +28,38 @@ from userwise.pipelines.runtime import delta_io, progress
 # ---------------------------------------------------------------------------
 # The daily API (called by jobs/, the Airflow DAGs and backfill)
 # ---------------------------------------------------------------------------
-def requests_day(spark, cfg: C.Config, input_path: str, output: str, date, actions_path: str | None = None) -> dict:
+def requests_day(spark, cfg: C.Config, input_path: str, build_dir: str, date, actions_path: str | None = None) -> dict:
     d = as_date(date)
-    with state.job(output, "requests", input=input_path, date=d.isoformat(), actions=actions_path):
-        ing = ingest_range(spark, cfg, input_path, output, d, d + dt.timedelta(days=1), actions_path)
+    with state.job(build_dir, "requests", config=cfg.source, input=input_path, date=d.isoformat(), actions=actions_path):
+        ing = ingest_range(spark, cfg, input_path, build_dir, d, d + dt.timedelta(days=1), actions_path)
     log(f"requests {d}: {ing.counts}")
     return {"date": d.isoformat(), **ing.counts}
 
 
-def history_day(spark, cfg: C.Config, output: str, date, retention_days: int | None = None) -> dict:
+def history_day(spark, cfg: C.Config, build_dir: str, date, retention_days: int | None = None) -> dict:
     d = as_date(date)
-    _, layout, meta = build_record.load(output)
+    _, layout, meta = build_record.load(build_dir)
     days = retention_days or meta.get("retention_days") or 37
-    with state.job(output, "history", date=d.isoformat()), \
-            progress.step("history", delta_io.commits(delta_io.table_path(output, "history"))):
-        out = History(spark, cfg, layout, output).update(d, retention_days=days)
+    with state.job(build_dir, "history", config=cfg.source, date=d.isoformat()), \
+            progress.step("history", delta_io.commits(delta_io.table_path(build_dir, "history"))):
+        out = History(spark, cfg, layout, build_dir).update(d, retention_days=days)
     log(f"history {d}: {out}")
     return {"date": d.isoformat(), **out}
 
 
-def window_day(spark, cfg: C.Config, output: str, date, window_days: int = 1) -> dict:
+def window_day(spark, cfg: C.Config, build_dir: str, date, window_days: int = 1) -> dict:
     """The window [date+1-N, date+1)."""
     d = as_date(date)
-    _, layout, _ = build_record.load(output)
+    _, layout, _ = build_record.load(build_dir)
     we = d + dt.timedelta(days=1)
-    with state.job(output, "window", date=d.isoformat(), window_days=window_days):
-        return window_samples(spark, cfg, layout, output, we - dt.timedelta(days=window_days), we)
+    with state.job(build_dir, "window", config=cfg.source, date=d.isoformat(), window_days=window_days):
+        return window_samples(spark, cfg, layout, build_dir, we - dt.timedelta(days=window_days), we)
 
 
-def pretrain(spark, cfg: C.Config, output: str, as_of, pretrain_days: int) -> dict:
-    _, layout, _ = build_record.load(output)
-    with state.job(output, "pretrain", date=as_date(as_of).isoformat(), pretrain_days=pretrain_days):
-        return pretrain_samples(spark, cfg, layout, output, as_date(as_of) - dt.timedelta(days=pretrain_days))
+def pretrain(spark, cfg: C.Config, build_dir: str, as_of, incremental_days: int) -> dict:
+    _, layout, _ = build_record.load(build_dir)
+    with state.job(build_dir, "pretrain", config=cfg.source, as_of=as_date(as_of).isoformat(), incremental_days=incremental_days):
+        return pretrain_samples(spark, cfg, layout, build_dir, as_date(as_of) - dt.timedelta(days=incremental_days))
 
 
 # ---------------------------------------------------------------------------

@@ -111,8 +111,8 @@ def _cast(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
     return col.cast(t)
 
 
-def rewrite(spark_dir: str, output: str, names: list[str], schema: pa.Schema, fs) -> int:
-    """Spark's Parquet files under ``spark_dir`` -> ``output``/part-NNNNN.parquet, columns
+def rewrite(spark_dir: str, expanded: str, names: list[str], schema: pa.Schema, fs) -> int:
+    """Spark's Parquet files under ``spark_dir`` -> ``expanded``/part-NNNNN.parquet, columns
     renamed and cast to ``schema``, zstd; the number of rows."""
     import pyarrow.fs as pafs
 
@@ -121,7 +121,7 @@ def rewrite(spark_dir: str, output: str, names: list[str], schema: pa.Schema, fs
                    and not os.path.basename(i.path).startswith(("_", ".")))
     rows = 0
     for k, f in enumerate(files or [None]):
-        with pq.ParquetWriter(f"{output}/part-{k:05d}.parquet", schema, compression=delta_io.CODEC,
+        with pq.ParquetWriter(f"{expanded}/part-{k:05d}.parquet", schema, compression=delta_io.CODEC,
                               filesystem=fs) as w:
             if f is None:  # nothing to expand: one empty file carries the schema
                 w.write_table(schema.empty_table())
@@ -135,16 +135,16 @@ def rewrite(spark_dir: str, output: str, names: list[str], schema: pa.Schema, fs
     return rows
 
 
-def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
-    """Write :func:`expand_frame`'s rows to the folder ``output`` (see the module docstring)."""
-    fs, root = storage.filesystem(output)
+def write(spark, df: DataFrame, layout: S.Layout, expanded: str) -> int:
+    """Write :func:`expand_frame`'s rows to the folder ``expanded`` (see the module docstring)."""
+    fs, root = storage.filesystem(expanded)
     scratch = f"{root}/_spark"
     fs.create_dir(root, recursive=True)
     fs.delete_dir_contents(root, missing_dir_ok=True)
     names, schema = output_schema(layout)
     # not INT96: the rewrite reads instants, exactly
     with session_conf(spark, {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}):
-        target = scratch if "://" not in output or output.startswith("file:") else output.rstrip("/") + "/_spark"
+        target = scratch if "://" not in expanded or expanded.startswith("file:") else expanded.rstrip("/") + "/_spark"
         df.select(*[F.col(n) for n in names]).write.mode("overwrite").parquet(target)
     try:
         return rewrite(scratch, root, names, schema, fs)
@@ -152,8 +152,8 @@ def write(spark, df: DataFrame, layout: S.Layout, output: str) -> int:
         fs.delete_dir(scratch)
 
 
-def read_samples(spark, samples: str, kind: str | None = None) -> DataFrame:
-    path = samples if delta_io.has_log(samples) else delta_io.table_path(samples, "samples")
+def read_samples(spark, build_dir: str, kind: str | None = None) -> DataFrame:
+    path = build_dir if delta_io.has_log(build_dir) else delta_io.table_path(build_dir, "samples")
     if not delta_io.exists(spark, path):
         state.complete_state(path.rstrip("/").rsplit("/", 1)[0])  # names a build that died first
         raise UserwiseError(f"no samples table at {path}; pass the folder written by `userwise build`")

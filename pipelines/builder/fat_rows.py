@@ -254,9 +254,9 @@ def fat_events(cfg: Config, layout: Layout, reqs: DataFrame) -> DataFrame:
     return ev.select(cols)
 
 
-def snapshot_counts(spark, output: str, sets: list[tuple[str, str]]) -> dict:
+def snapshot_counts(spark, build_dir: str, sets: list[tuple[str, str]]) -> dict:
     """Overrides, null and leaking snapshots in the given sample sets."""
-    samples = delta_io.read(spark, delta_io.table_path(output, "samples"))
+    samples = delta_io.read(spark, delta_io.table_path(build_dir, "samples"))
     cond = F.lit(False)
     for kind, we in sets:
         cond = cond | ((F.col("kind") == kind) & (F.col("window_end") == F.lit(we).cast("date")))
@@ -265,7 +265,7 @@ def snapshot_counts(spark, output: str, sets: list[tuple[str, str]]) -> dict:
         F.coalesce(F.sum(F.size(F.filter("req_snapshot", lambda v: v == 2))), F.lit(0)).alias("n"),
     ).first()
     last = max((we for _, we in sets), default=None)
-    reqs = delta_io.read(spark, delta_io.table_path(output, "requests"))
+    reqs = delta_io.read(spark, delta_io.table_path(build_dir, "requests"))
     if last is not None:
         reqs = reqs.where(F.col("date") < F.lit(last).cast("date"))
     leak = reqs.where(F.exists(F.col(SNAP + "time"), lambda t: t.cast("long") >= F.col("req_time"))).count()

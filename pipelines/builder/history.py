@@ -28,6 +28,7 @@ from userwise.pipelines.builder.ingest import day_of
 from userwise.pipelines.builder.pointer import bucket_of, event_cols
 from userwise.pipelines.config import Config, day_start
 from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.records import state
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import EV, Layout
 
@@ -110,14 +111,19 @@ class SetPlan:
         return F.element_at(table, segment + 2)
 
 
+def gap_detail(cfg: Config, date: dt.date) -> dict:
+    """What ``userwise history`` needs to fill the day ``date`` (the hint of a gap in the log)."""
+    return {"config": cfg.source, "date": date.isoformat()}
+
+
 class History:
     """The history table and its log under one build folder."""
 
-    def __init__(self, spark, cfg: Config, layout: Layout, output: str):
-        self.spark, self.cfg, self.layout = spark, cfg, layout
-        self.path = delta_io.table_path(output, "history")
-        self.log_path = delta_io.table_path(output, "history_log")
-        self.events_path = delta_io.table_path(output, "events")
+    def __init__(self, spark, cfg: Config, layout: Layout, build_dir: str):
+        self.spark, self.cfg, self.layout, self.build_dir = spark, cfg, layout, build_dir
+        self.path = delta_io.table_path(build_dir, "history")
+        self.log_path = delta_io.table_path(build_dir, "history_log")
+        self.events_path = delta_io.table_path(build_dir, "events")
 
     # -- the log --------------------------------------------------------------
     def log(self) -> dict[dt.date, int]:
@@ -179,7 +185,7 @@ class History:
             prev = date - dt.timedelta(days=1)
             raise UserwiseError(
                 f"history: no version logged for {prev} (logged: {min(log)}..{max(log)}); "
-                f"run `userwise history --date {prev}` first")
+                f"run {state.describe('history', self.build_dir, gap_detail(self.cfg, prev))} first")
 
     def update_range(self, first: dt.date, last: dt.date, retention_days: int = DEFAULT_RETENTION_DAYS) -> dict:
         """What the daily updates of [first, last] in order leave, in one job: the history

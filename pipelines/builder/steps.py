@@ -59,7 +59,7 @@ def _date_filter(df: DataFrame, cfg: C.Config, start: dt.date | None, end: dt.da
     return df.where(cond)
 
 
-def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.date | None, end: dt.date,
+def ingest_range(spark, cfg: C.Config, input_path: str, build_dir: str, start: dt.date | None, end: dt.date,
                  actions_path: str | None = None, as_of: dt.date | None = None) -> Ingested:
     """Validate input rows of days [start, end) (all days when start is None) and write
     requests, events and quarantine for those days. Rows at or after ``as_of`` are counted
@@ -69,7 +69,7 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     input_cols = [c for c in raw.columns if c not in ("_file", "_row")]
     canon = ingest.canonical(cfg, raw, input_cols)
     layout = canon.layout
-    build_record.save(output, cfg, layout)
+    build_record.save(build_dir, cfg, layout)
     ups = cfg.units_per_second
     df = canon.df
     if start is not None:
@@ -139,8 +139,8 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
     share = rejected / considered if considered else 0.0
     counts["quarantine_share"] = share
     where = _where_dates("date", start, end)
-    with progress.step("quarantine", delta_io.commits(delta_io.table_path(output, "quarantine"))):
-        delta_io.replace(q, delta_io.table_path(output, "quarantine"),
+    with progress.step("quarantine", delta_io.commits(delta_io.table_path(build_dir, "quarantine"))):
+        delta_io.replace(q, delta_io.table_path(build_dir, "quarantine"),
                          where + (" OR date IS NULL" if start is None else ""),
                          schema=S.QUARANTINE)
     if share > cfg.max_quarantine_share:
@@ -148,13 +148,13 @@ def ingest_range(spark, cfg: C.Config, input_path: str, output: str, start: dt.d
         df.unpersist()
         raise QuarantineLimitError(
             f"{rejected} of {considered} input rows ({share:.2%}) were quarantined, above "
-            f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(output, 'quarantine')} "
+            f"max_quarantine_share {cfg.max_quarantine_share:.2%}; see {delta_io.table_path(build_dir, 'quarantine')} "
             f"(by reason: {quarantined}){ingest.limit_hint(quarantined)}; fix the input or the config, or raise "
             "the limit")
-    with progress.step("requests", delta_io.commits(delta_io.table_path(output, "requests"))):
-        delta_io.replace(reqs, delta_io.table_path(output, "requests"), where, schema=S.requests_schema(layout))
-    with progress.step("events", delta_io.commits(delta_io.table_path(output, "events"))):
-        delta_io.replace(events, delta_io.table_path(output, "events"), where, schema=S.events_schema(layout))
+    with progress.step("requests", delta_io.commits(delta_io.table_path(build_dir, "requests"))):
+        delta_io.replace(reqs, delta_io.table_path(build_dir, "requests"), where, schema=S.requests_schema(layout))
+    with progress.step("events", delta_io.commits(delta_io.table_path(build_dir, "events"))):
+        delta_io.replace(events, delta_io.table_path(build_dir, "events"), where, schema=S.events_schema(layout))
     reqs.unpersist()
     df.unpersist()
     return Ingested(layout, counts)
@@ -170,20 +170,20 @@ def _where_dates(col: str, start: dt.date | None, end: dt.date) -> str:
 # ---------------------------------------------------------------------------
 # Samples
 # ---------------------------------------------------------------------------
-def requests_between(spark, output: str, start: dt.date | None, end: dt.date) -> DataFrame:
-    r = delta_io.read(spark, delta_io.table_path(output, "requests"))
+def requests_between(spark, build_dir: str, start: dt.date | None, end: dt.date) -> DataFrame:
+    r = delta_io.read(spark, delta_io.table_path(build_dir, "requests"))
     cond = F.col("date") < F.lit(end)
     if start is not None:
         cond = cond & (F.col("date") >= F.lit(start))
     return r.where(cond)
 
 
-def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
+def _write_samples(spark, build_dir: str, layout: S.Layout, df: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
     """Replace the sets ``keys`` ((kind, window_end) each) with ``df`` in one commit; per set,
     what was written (read back from the files' columns, without Spark)."""
     from userwise.pipelines.builder.pointer import release
 
-    path = delta_io.table_path(output, "samples")
+    path = delta_io.table_path(build_dir, "samples")
     where = " OR ".join(f"(kind = '{k}' AND window_end = '{we.isoformat()}')" for k, we in keys)
     try:
         delta_io.replace(df, path, where, schema=S.samples_schema(layout))
@@ -207,7 +207,7 @@ def _write_samples(spark, output: str, layout: S.Layout, df: DataFrame, keys: li
     return out
 
 
-def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
+def samples_frame(spark, cfg: C.Config, layout: S.Layout, build_dir: str,
                   sets: list[tuple[str, dt.date | None, dt.date]]) -> DataFrame:
     """The samples of ``sets`` ((kind, start, end) each; start None: from the first day,
     the pretrain set) as one Spark plan, not yet written (:func:`set_samples` writes it).
@@ -221,15 +221,15 @@ def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
     plan = SetPlan(cfg, [(st, en) for _, st, en in sets])
     # the pretrain set spans from the first request day (one value per set: readers group by
     # it), read from the requests table's log rather than by a Spark job
-    meta = [(k, _first_day(output, en) if st is None else st, en) for k, st, en in sets]
-    reqs = requests_between(spark, output, None if any(st is None for _, st, _ in sets) else plan.d0, plan.dend)
+    meta = [(k, _first_day(build_dir, en) if st is None else st, en) for k, st, en in sets]
+    reqs = requests_between(spark, build_dir, None if any(st is None for _, st, _ in sets) else plan.d0, plan.dend)
     reqs = reqs.select("*", F.explode(plan.sets_of(plan.segment_of_date(F.col("date")))).alias(SET))
     if layout.fat:
         from userwise.pipelines.builder.fat_rows import fat_sets
 
         df = fat_sets(cfg, layout, reqs, meta)
     else:
-        events = delta_io.read(spark, delta_io.table_path(output, "events"))
+        events = delta_io.read(spark, delta_io.table_path(build_dir, "events"))
         df = lean_sets(cfg, layout, events, reqs, meta, plan.times)
     if len(sets) > 1:
         # Every task holds rows of every set: written as they are, each set would get a file
@@ -240,26 +240,26 @@ def samples_frame(spark, cfg: C.Config, layout: S.Layout, output: str,
     return df
 
 
-def set_samples(spark, cfg: C.Config, layout: S.Layout, output: str,
+def set_samples(spark, cfg: C.Config, layout: S.Layout, build_dir: str,
                 sets: list[tuple[str, dt.date | None, dt.date]]) -> list[dict]:
     """The samples of ``sets`` (as :func:`samples_frame`) from one Spark plan, written in one
     commit; per set, what was written."""
-    df = samples_frame(spark, cfg, layout, output, sets)
+    df = samples_frame(spark, cfg, layout, build_dir, sets)
     with progress.step("samples") as st:
-        out = _write_samples(spark, output, layout, df, [(k, en) for k, _, en in sets])
+        out = _write_samples(spark, build_dir, layout, df, [(k, en) for k, _, en in sets])
         st.rows = sum(o["samples"] for o in out)
     return out
 
 
-def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, output: str, boundary: dt.date) -> dict:
+def pretrain_samples(spark, cfg: C.Config, layout: S.Layout, build_dir: str, boundary: dt.date) -> dict:
     """All requests before ``boundary`` (= as-of minus M days), merged per user."""
-    out = set_samples(spark, cfg, layout, output, [("pretrain", None, boundary)])[0]
+    out = set_samples(spark, cfg, layout, build_dir, [("pretrain", None, boundary)])[0]
     log_set(out, None)
     return out
 
 
-def _first_day(output: str, boundary: dt.date) -> dt.date:
-    first = delta_io.least(delta_io.table_path(output, "requests"))
+def _first_day(build_dir: str, boundary: dt.date) -> dt.date:
+    first = delta_io.least(delta_io.table_path(build_dir, "requests"))
     return boundary if first is None else min(first, boundary)
 
 
@@ -270,9 +270,9 @@ def log_set(out: dict, ws: dt.date | None) -> None:
         log(f"window [{ws}, {out['window_end']}): {out['samples']} samples, {out['impressions']} impressions")
 
 
-def window_samples(spark, cfg: C.Config, layout: S.Layout, output: str, ws: dt.date, we: dt.date) -> dict:
+def window_samples(spark, cfg: C.Config, layout: S.Layout, build_dir: str, ws: dt.date, we: dt.date) -> dict:
     """Incremental samples of [ws, we): the newest L events before ws (less the availability
     lag), derived from the events table, plus the window's own events."""
-    out = set_samples(spark, cfg, layout, output, [("incremental", ws, we)])[0]
+    out = set_samples(spark, cfg, layout, build_dir, [("incremental", ws, we)])[0]
     log_set(out, ws)
     return out

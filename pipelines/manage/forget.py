@@ -108,7 +108,7 @@ def _json_path(col: str) -> str:
     return f"$['{col}']"
 
 
-def forget_tables(spark, output: str, cfg, layout, users: pa.Array) -> dict[str, int]:
+def forget_tables(spark, build_dir: str, cfg, layout, users: pa.Array) -> dict[str, int]:
     """Delete the users' rows from every table of the build folder (one commit each);
     returns {table: rows deleted} for the tables that exist."""
     from pyspark.sql import functions as F
@@ -117,10 +117,10 @@ def forget_tables(spark, output: str, cfg, layout, users: pa.Array) -> dict[str,
     keys = spark.createDataFrame(pa.table({"user": users})).select(F.col("user").cast(spark_type).alias("user"))
     out = {}
     for name in KEYED:
-        path = delta_io.table_path(output, name)
+        path = delta_io.table_path(build_dir, name)
         if delta_io.exists(spark, path):
             out[name] = delta_io.delete_matching(spark, path, keys, F.col("t.user") == F.col("k.user"))
-    path = delta_io.table_path(output, QUARANTINE)
+    path = delta_io.table_path(build_dir, QUARANTINE)
     if delta_io.exists(spark, path):
         row = F.col("t.row")
         key = F.get_json_object(row, _json_path(cfg.col("user")))
@@ -134,11 +134,11 @@ def forget_tables(spark, output: str, cfg, layout, users: pa.Array) -> dict[str,
     return out
 
 
-def vacuum_tables(spark, output: str) -> list[str]:
+def vacuum_tables(spark, build_dir: str) -> list[str]:
     """Purge deletion vectors, then VACUUM with retention 0, on every table with user rows."""
     done = []
     for name in (*KEYED, QUARANTINE):
-        path = delta_io.table_path(output, name)
+        path = delta_io.table_path(build_dir, name)
         if delta_io.exists(spark, path):
             delta_io.purge_deleted(spark, path)
             delta_io.vacuum(spark, path, 0.0)
@@ -267,7 +267,7 @@ def rewrite_set(root: str, users: pa.Array) -> dict | None:
     return {"root": root, "files_rewritten": len(hit), "rows_removed": removed, "manifest_sha256": sha}
 
 
-def sync_published(output: str, root: str) -> bool:
+def sync_published(build_dir: str, root: str) -> bool:
     """Give the build folder's record of the published set at ``root`` its marker's content (the
     marker is rewritten with the set; the record follows it). True when the record changed."""
     data = storage.read_bytes(storage.join(root, MARKER))
@@ -275,7 +275,7 @@ def sync_published(output: str, root: str) -> bool:
         return False
     rec = json.loads(data)
     changed = False
-    for p, cur in published.every(output):
+    for p, cur in published.every(build_dir):
         sh = cur.get("shards") or {}
         if sh.get("root") and storage.absolute(sh["root"]) == storage.absolute(root) and cur != rec:
             state.write_json(p, rec)
@@ -286,10 +286,10 @@ def sync_published(output: str, root: str) -> bool:
 # --------------------------------------------------------------------------
 # the job
 # --------------------------------------------------------------------------
-def _check_unfinished(output: str) -> None:
+def _check_unfinished(build_dir: str) -> None:
     """Refuse a folder whose last writer died before finishing (forget would record its partial
     tables as complete); a killed forget is what this run finishes."""
-    data = storage.read_bytes(state.running_path(output))
+    data = storage.read_bytes(state.running_path(build_dir))
     if data is None:
         return
     try:
@@ -298,29 +298,35 @@ def _check_unfinished(output: str) -> None:
         return
     if running.get("job") != "forget" and running.get("pid") != os.getpid():
         raise UserwiseError(
-            f"{output}: {state.describe(running.get('job', '?'), running.get('detail'))} started "
+            f"{build_dir}: {state.describe(running.get('job', '?'), build_dir, running.get('detail'))} started "
             f"{running.get('started_at')} and did not finish; run it again, then forget the users")
 
 
-def forget(spark, output: str, users: pa.Array, sets: list[str] = (), vacuum: bool = False,
+def forget(spark, build_dir: str, users: pa.Array, sets: list[str] = (), vacuum: bool = False,
            detail: dict | None = None) -> dict:
-    """Forget ``users`` (:func:`read_users`) in the build folder ``output`` and in the shard
+    """Forget ``users`` (:func:`read_users`) in the build folder ``build_dir`` and in the shard
     ``sets`` (:func:`find_sets`); returns the report (rows deleted per table, shards rewritten)."""
-    cfg, layout, _ = build_record.load(output)
-    _check_unfinished(output)
+    cfg, layout, _ = build_record.load(build_dir)
+    _check_unfinished(build_dir)
     detail = detail or {}
-    state.begin(output, "forget", **detail)
-    rep: dict = {"users": len(users), "tables": forget_tables(spark, output, cfg, layout, users), "shards": []}
+    state.begin(build_dir, "forget", **detail)
+    rep: dict = {"users": len(users), "tables": forget_tables(spark, build_dir, cfg, layout, users), "shards": []}
     for root in sets:
         r = rewrite_set(root, users)
         if r is not None:
             rep["shards"].append(r)
-        if sync_published(output, root):
+        if sync_published(build_dir, root):
             rep.setdefault("published_records", []).append(root)
-    rep["vacuumed"] = vacuum_tables(spark, output) if vacuum else []
-    rec = state.finish(output, "forget", **detail)
+    rep["vacuumed"] = vacuum_tables(spark, build_dir) if vacuum else []
+    rec = state.finish(build_dir, "forget", **detail)
     rep["versions"] = rec["tables"]
     return rep
+
+
+def rerun_detail(args) -> dict:
+    """What the job records of a ``userwise forget`` (its rerun hint, :func:`state.describe`)."""
+    return {"users": storage.absolute(args.users), "shards": list(args.shards or []) or None,
+            "vacuum": bool(args.vacuum)}
 
 
 def cli(args) -> int:
@@ -332,8 +338,7 @@ def cli(args) -> int:
     _check_unfinished(args.build_dir)
     sets = [s for r in (args.shards or []) for s in find_sets(r)]
     spark = get_spark(master=args.master)
-    rep = forget(spark, args.build_dir, users, sets, args.vacuum,
-                 detail={"users": storage.absolute(args.users)})
+    rep = forget(spark, args.build_dir, users, sets, args.vacuum, detail=rerun_detail(args))
     console.emit(rep, lambda r: f"forgot {r['users']} users: rows deleted {r['tables']}; "
                                 f"{len(r['shards'])} shard sets rewritten; vacuumed {r['vacuumed'] or 'nothing'}")
     return 0

@@ -19,16 +19,16 @@ from userwise.pipelines.records import folder
 from userwise.pipelines.runtime import storage
 
 
-def path(output: str) -> str:
-    return folder.build_json(output)
+def path(build_dir: str) -> str:
+    return folder.build_json(build_dir)
 
 
-def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
-    p = path(output)
+def save(build_dir: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
+    p = path(build_dir)
     raw = storage.read_bytes(p)
     old = json.loads(raw) if raw is not None else {}
     if old.get("input_schema"):
-        _same_input(output, old["input_schema"], layout.input_schema)
+        _same_input(build_dir, old["input_schema"], layout.input_schema)
     meta = {
         **old,
         "format_version": S.FORMAT_VERSION,
@@ -40,7 +40,7 @@ def save(output: str, cfg: C.Config, layout: S.Layout, **extra) -> None:
     storage.write_bytes(p, json.dumps(meta, indent=1, sort_keys=True, default=str).encode())
 
 
-def _same_input(output: str, recorded: str, schema: pa.Schema) -> None:
+def _same_input(build_dir: str, recorded: str, schema: pa.Schema) -> None:
     """Refuse an input whose columns differ from those the folder's tables were built from
     (a log whose schema changed between days): its rows would not fit the tables."""
     try:
@@ -53,21 +53,21 @@ def _same_input(output: str, recorded: str, schema: pa.Schema) -> None:
         if was_t.get(name) != now_t.get(name):
             what = ("is new" if name not in was_t else "is gone" if name not in now_t
                     else f"was {was_t[name]}, is now {now_t[name]}")
-            raise InputError(f"the input's column {name!r} {what} since {output} was built: its tables hold "
+            raise InputError(f"the input's column {name!r} {what} since {build_dir} was built: its tables hold "
                              "the old columns; build the changed log into a new folder (or restore the "
                              "column in the input)")
 
 
-def load(output: str) -> tuple[C.Config, S.Layout, dict]:
-    """(config, layout, the whole record) of the build folder ``output``: the one reader of
+def load(build_dir: str) -> tuple[C.Config, S.Layout, dict]:
+    """(config, layout, the whole record) of the build folder ``build_dir``: the one reader of
     ``build.json`` (daily jobs, ``expand`` and ``preshard`` use it).
 
     Raises InputError (one line: what to do) when the folder is not a build folder, the
     record is damaged, or another format version wrote it."""
-    p = path(output)
+    p = path(build_dir)
     raw = storage.read_bytes(p)
     if raw is None:
-        raise InputError(f"{output} is not a userwise build folder (no {folder.META_DIR}/{folder.BUILD_JSON}); "
+        raise InputError(f"{build_dir} is not a userwise build folder (no {folder.META_DIR}/{folder.BUILD_JSON}); "
                          "run `userwise build` or `userwise requests` first")
     try:
         meta = json.loads(raw)

@@ -25,33 +25,33 @@ LOCKS = "locks"
 PUBLISHED = "published"
 
 
-def meta_dir(output: str) -> str:
+def meta_dir(build_dir: str) -> str:
     """``D/_userwise`` (absolute for a local path)."""
-    return storage.join(storage.absolute(output), META_DIR)
+    return storage.join(storage.absolute(build_dir), META_DIR)
 
 
-def build_json(output: str) -> str:
-    return storage.join(meta_dir(output), BUILD_JSON)
+def build_json(build_dir: str) -> str:
+    return storage.join(meta_dir(build_dir), BUILD_JSON)
 
 
-def complete_json(output: str) -> str:
-    return storage.join(meta_dir(output), COMPLETE_JSON)
+def complete_json(build_dir: str) -> str:
+    return storage.join(meta_dir(build_dir), COMPLETE_JSON)
 
 
-def running_json(output: str) -> str:
-    return storage.join(meta_dir(output), RUNNING_JSON)
+def running_json(build_dir: str) -> str:
+    return storage.join(meta_dir(build_dir), RUNNING_JSON)
 
 
-def locks_dir(output: str) -> str:
-    return storage.join(meta_dir(output), LOCKS)
+def locks_dir(build_dir: str) -> str:
+    return storage.join(meta_dir(build_dir), LOCKS)
 
 
-def published_dir(output: str) -> str:
-    return storage.join(meta_dir(output), PUBLISHED)
+def published_dir(build_dir: str) -> str:
+    return storage.join(meta_dir(build_dir), PUBLISHED)
 
 
-def published_record(output: str, kind: str, key_date) -> str:
+def published_record(build_dir: str, kind: str, key_date) -> str:
     """The record of the published set of ``kind`` keyed by ``key_date`` (the processed day of
     an incremental set, the as-of date of a pretrain set)."""
     d = key_date if isinstance(key_date, dt.date) else dt.date.fromisoformat(str(key_date))
-    return storage.join(published_dir(output), kind, f"{d.isoformat()}.json")
+    return storage.join(published_dir(build_dir), kind, f"{d.isoformat()}.json")

@@ -19,23 +19,23 @@ from userwise.pipelines.runtime import storage
 path = folder.published_record
 
 
-def read(output: str, kind: str, key_date) -> dict | None:
+def read(build_dir: str, kind: str, key_date) -> dict | None:
     """The record, or None when the set is not published."""
-    data = storage.read_bytes(path(output, kind, key_date))
+    data = storage.read_bytes(path(build_dir, kind, key_date))
     return None if data is None else json.loads(data)
 
 
-def write(output: str, kind: str, key_date, rec: dict) -> None:
-    write_json(path(output, kind, key_date), rec)
+def write(build_dir: str, kind: str, key_date, rec: dict) -> None:
+    write_json(path(build_dir, kind, key_date), rec)
 
 
-def remove(output: str, kind: str, key_date) -> None:
-    storage.remove(path(output, kind, key_date))
+def remove(build_dir: str, kind: str, key_date) -> None:
+    storage.remove(path(build_dir, kind, key_date))
 
 
-def every(output: str):
+def every(build_dir: str):
     """(path, record) of every published set of the folder."""
-    for dirpath, _, files in storage.walk(folder.published_dir(output)):
+    for dirpath, _, files in storage.walk(folder.published_dir(build_dir)):
         for n in sorted(files):
             if n.endswith(".json"):
                 p = storage.join(dirpath, n)

@@ -56,11 +56,11 @@ def delta_version(path: str) -> int | None:
     return max(found) if found else None
 
 
-def table_versions(output: str) -> dict[str, int]:
+def table_versions(build_dir: str) -> dict[str, int]:
     """The current Delta version of each table of the build folder that exists."""
     out = {}
     for t in S.BUILD_TABLES:
-        v = delta_version(storage.join(storage.absolute(output), t))
+        v = delta_version(storage.join(storage.absolute(build_dir), t))
         if v is not None:
             out[t] = v
     return out
@@ -85,66 +85,97 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def describe(job: str, detail: dict | None) -> str:
-    args = " ".join(f"--{k.rstrip('_').replace('_', '-')} {v}" for k, v in (detail or {}).items() if v is not None)
-    return f"`userwise {job}{' ' + args if args else ''}`"
+def rerun_args(job: str, build_dir: str, detail: dict | None) -> list[str]:
+    """The command line (``userwise`` excluded) that runs ``job`` on ``build_dir`` again:
+    ``detail`` is what the job recorded (:func:`begin`), keyed by the command's option names
+    (``config``, ``input``, ``as_of``, ``incremental_days``, ``from_`` for ``--from``, ...): a
+    value None or False is left out, True is a bare flag, a list repeats the flag. A job
+    whose config was not read from a file records ``config`` None and gets ``--config C.yaml``."""
+    detail = dict(detail or {})
+    argv = [job]
+    if "config" in detail or job in _CONFIG_JOBS:
+        argv += ["--config", detail.pop("config", None) or "C.yaml"]
+    argv += ["--build-dir", build_dir]
+    for k, v in detail.items():
+        flag = "--" + k.rstrip("_").replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            argv.append(flag)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                argv += [flag, str(x)]
+        else:
+            argv += [flag, str(v)]
+    return argv
 
 
-def begin(output: str, job: str, **detail) -> None:
-    """Mark ``job`` running on ``output`` (before its first write)."""
-    write_json(running_path(output), {"job": job, "detail": detail, "pid": os.getpid(), "started_at": _now()})
+# the jobs whose command takes --config (every job that writes a build folder but forget)
+_CONFIG_JOBS = frozenset({"build", "requests", "history", "window", "pretrain", "backfill"})
 
 
-def finish(output: str, job: str, **detail) -> dict:
+def describe(job: str, build_dir: str, detail: dict | None) -> str:
+    """The command that runs ``job`` on ``build_dir`` again, quoted for a shell, between backticks."""
+    import shlex
+
+    return "`userwise " + shlex.join(rerun_args(job, build_dir, detail)) + "`"
+
+
+def begin(build_dir: str, job: str, **detail) -> None:
+    """Mark ``job`` running on ``build_dir`` (before its first write)."""
+    write_json(running_path(build_dir), {"job": job, "detail": detail, "pid": os.getpid(), "started_at": _now()})
+
+
+def finish(build_dir: str, job: str, **detail) -> dict:
     """Record the tables' versions as the folder's complete state (after the job's last commit)."""
     rec = {"format_version": FORMAT_VERSION, "job": job, "detail": detail, "finished_at": _now(),
-           "tables": table_versions(output)}
-    write_json(record_path(output), rec)
-    running = _read(running_path(output))
+           "tables": table_versions(build_dir)}
+    write_json(record_path(build_dir), rec)
+    running = _read(running_path(build_dir))
     if running is not None and running.get("pid") == os.getpid():
-        storage.remove(running_path(output))
+        storage.remove(running_path(build_dir))
     return rec
 
 
 @contextlib.contextmanager
-def job(output: str, name: str, **detail):
-    """Run the body as job ``name`` on ``output``: marked running first, recorded complete
+def job(build_dir: str, name: str, **detail):
+    """Run the body as job ``name`` on ``build_dir``: marked running first, recorded complete
     only when the body returns (an exception or a kill leaves the running mark, which
     readers report)."""
-    begin(output, name, **detail)
+    begin(build_dir, name, **detail)
     yield
-    finish(output, name, **detail)
+    finish(build_dir, name, **detail)
 
 
-def complete_state(output: str) -> dict:
+def complete_state(build_dir: str) -> dict:
     """The folder's complete state for a reader: the record, with ``tables`` to read at.
 
     Raises :class:`IncompleteError` (one line, naming what to run) when there is none,
     or when the last job died before finishing.
     """
-    rec = _read(record_path(output))
-    running = _read(running_path(output))
-    if running is not None and not writer_lock.live_writer(output):
+    rec = _read(record_path(build_dir))
+    running = _read(running_path(build_dir))
+    if running is not None and not writer_lock.live_writer(build_dir):
         raise IncompleteError(
-            f"{output}: {describe(running['job'], running.get('detail'))} started {running.get('started_at')} "
+            f"{build_dir}: {describe(running['job'], build_dir, running.get('detail'))} started {running.get('started_at')} "
             "and did not finish; run it again (its partial writes are replaced), then retry")
     if rec is None:
         if running is not None:
             raise IncompleteError(
-                f"{output}: {describe(running['job'], running.get('detail'))} is still running and no earlier "
+                f"{build_dir}: {describe(running['job'], build_dir, running.get('detail'))} is still running and no earlier "
                 "build finished; wait for it, then retry")
-        raise IncompleteError(f"{output} holds no finished build (no _userwise/complete.json): "
+        raise IncompleteError(f"{build_dir} holds no finished build (no _userwise/complete.json): "
                               "run `userwise build` into it first")
     if rec.get("format_version") != FORMAT_VERSION:
-        raise IncompleteError(f"{record_path(output)} has format {rec.get('format_version')}, this reader "
+        raise IncompleteError(f"{record_path(build_dir)} has format {rec.get('format_version')}, this reader "
                               f"understands {FORMAT_VERSION}: rebuild with this version of userwise")
     return rec
 
 
-def version_of(output: str, table: str) -> int:
+def version_of(build_dir: str, table: str) -> int:
     """The version of ``table`` in the folder's complete state."""
-    rec = complete_state(output)
+    rec = complete_state(build_dir)
     if table not in rec["tables"]:
-        raise IncompleteError(f"{output}: the finished {describe(rec['job'], rec.get('detail'))} wrote no "
+        raise IncompleteError(f"{build_dir}: the finished {describe(rec['job'], build_dir, rec.get('detail'))} wrote no "
                               f"{table} table; build it first")
     return int(rec["tables"][table])

@@ -4,7 +4,7 @@ Every job that writes a build folder ``D`` holds a lock under ``D/_userwise/lock
 while it runs:
 
 - ``build``, ``backfill``, ``history``, ``window``, ``pretrain`` and ``forget`` take the
-  folder's **exclusive** lock (``output.lock``): they read or rewrite state that spans
+  folder's **exclusive** lock (``exclusive.lock``): they read or rewrite state that spans
   dates (the history, the samples of a range, every table).
 - ``requests`` takes a lock **per date** (``requests-YYYY-MM-DD.lock``): it replaces
   only its own date's partitions of ``requests``, ``events`` and ``quarantine``, so the
@@ -42,7 +42,7 @@ from userwise.pipelines.runtime import storage
 
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
-EXCLUSIVE = "output.lock"
+EXCLUSIVE = "exclusive.lock"
 
 
 class LockedError(UserwiseError):
@@ -144,16 +144,16 @@ class WriterLock:
     job holds a conflicting lock, and changes nothing then.
     """
 
-    def __init__(self, output: str, job: str, date: str | None = None):
-        self.output, self.job, self.date = output, job, date
+    def __init__(self, build_dir: str, job: str, date: str | None = None):
+        self.build_dir, self.job, self.date = build_dir, job, date
         self.name = f"requests-{date}.lock" if job == "requests" and date else EXCLUSIVE
-        self.path = storage.join(lock_dir(output), self.name)
+        self.path = storage.join(lock_dir(build_dir), self.name)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.held = False
 
     def _conflicts(self) -> list[str]:
-        d = lock_dir(self.output)
+        d = lock_dir(self.build_dir)
         names = storage.listdir(d)
         names = [n for n in names if n.endswith(".lock") and n != self.name]
         if self.name != EXCLUSIVE:
@@ -162,13 +162,13 @@ class WriterLock:
 
     def _folders(self) -> list[str]:
         """The folders the lock lives in, innermost first: the locks folder, ``_userwise``, ``D``."""
-        return [lock_dir(self.output), folder.meta_dir(self.output), self.output]
+        return [lock_dir(self.build_dir), folder.meta_dir(self.build_dir), self.build_dir]
 
     def _make_dir(self) -> None:
-        if storage.is_local(self.output):
-            os.makedirs(lock_dir(self.output), exist_ok=True)
+        if storage.is_local(self.build_dir):
+            os.makedirs(lock_dir(self.build_dir), exist_ok=True)
         else:
-            fs, p = storage.filesystem(lock_dir(self.output))
+            fs, p = storage.filesystem(lock_dir(self.build_dir))
             fs.create_dir(p, recursive=True)
 
     def acquire(self) -> "WriterLock":
@@ -179,7 +179,7 @@ class WriterLock:
         now = time.time()
         me = {"job": self.job, "date": self.date, "pid": os.getpid(), "host": socket.gethostname(),
               "started": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
-              "started_ts": now, "output": self.output}
+              "started_ts": now, "build_dir": self.build_dir}
         for _ in range(20):
             try:
                 if _create(self.path, me):
@@ -189,7 +189,7 @@ class WriterLock:
                 continue
             holder = _take_over_if_stale(self.path)
             if holder is not None:
-                raise LockedError(f"{self.output} is being written by {describe(holder)}; wait for it to "
+                raise LockedError(f"{self.build_dir} is being written by {describe(holder)}; wait for it to "
                                   f"finish (if that job is gone, its lock {self.path} is taken over "
                                   f"after {int(STALE_S)} s without a heartbeat)")
         else:
@@ -200,7 +200,7 @@ class WriterLock:
             holder = _take_over_if_stale(other)
             if holder is not None:
                 self._remove()
-                raise LockedError(f"{self.output} is being written by {describe(holder)}; wait for it "
+                raise LockedError(f"{self.build_dir} is being written by {describe(holder)}; wait for it "
                                   f"to finish, then run this job again")
         self.held = True
         self._beat = threading.Thread(target=self._heartbeat, name="userwise-lock", daemon=True)
@@ -248,9 +248,9 @@ def _remove_if_empty(path: str) -> bool:
         return False
 
 
-def live_writer(output: str) -> bool:
+def live_writer(build_dir: str) -> bool:
     """Whether a live job holds any of the folder's locks now (running, not killed)."""
-    d = lock_dir(output)
+    d = lock_dir(build_dir)
     names = [n for n in storage.listdir(d) if n.endswith(".lock")]
     return any(not is_stale(storage.join(d, n), read_holder(storage.join(d, n))) for n in names)
 

@@ -19,8 +19,8 @@ from userwise.pipelines.runtime.spark import session_conf
 CODEC = "zstd"
 
 
-def table_path(output: str, name: str) -> str:
-    return storage.join(storage.absolute(output), name)
+def table_path(build_dir: str, name: str) -> str:
+    return storage.join(storage.absolute(build_dir), name)
 
 
 def exists(spark, path: str) -> bool:

@@ -123,20 +123,20 @@ def _check_sizes(target_shard_mb, row_group_mb) -> None:
     expect(row_group_mb, "mb", "--row-group-mb")
 
 
-def _prepare_output(output: str) -> None:
-    """Remove a previous shard set at ``output`` (manifest first); refuse other content."""
-    fs, base = mf.resolve(output)
+def _prepare_output(shards: str) -> None:
+    """Remove a previous shard set at ``shards`` (manifest first); refuse other content."""
+    fs, base = mf.resolve(shards)
     info = fs.get_file_info(base)
     if info.type == pafs.FileType.NotFound:
         fs.create_dir(base, recursive=True)
         return
     if info.type != pafs.FileType.Directory:
-        raise UserwiseError(f"--shards {output}: exists and is not a folder")
+        raise UserwiseError(f"--shards {shards}: exists and is not a folder")
     entries = fs.get_file_info(pafs.FileSelector(base))
     names = [os.path.basename(e.path) for e in entries]
     foreign = [n for n in names if not (n == mf.MANIFEST or n.startswith("node=") or n.startswith("."))]
     if foreign:
-        raise UserwiseError(f"--shards {output}: holds {foreign[:3]}, which is not a shard set; "
+        raise UserwiseError(f"--shards {shards}: holds {foreign[:3]}, which is not a shard set; "
                             "choose an empty or new folder")
     if mf.MANIFEST in names:
         fs.delete_file(mf.join(base, mf.MANIFEST))
@@ -180,7 +180,7 @@ def est_bytes_arrow(t: pa.Table) -> np.ndarray:
     return est
 
 
-def preshard_arrow(table: pa.Table, output: str, *, schema: pa.Schema, nodes: int, ranks_per_node: int,
+def preshard_arrow(table: pa.Table, shards: str, *, schema: pa.Schema, nodes: int, ranks_per_node: int,
                    seed: int = 0, target_shard_mb: float = 256.0, row_group_rows: int = 2048,
                    row_group_mb: float = 128.0, compression="zstd", layout: str = "parquet",
                    source: dict | None = None, dictionary: str = "all") -> dict:
@@ -188,9 +188,9 @@ def preshard_arrow(table: pa.Table, output: str, *, schema: pa.Schema, nodes: in
     assignment, same writer, same manifest as the Spark job."""
     _check_sizes(target_shard_mb, row_group_mb)
     t0 = time.time()
-    cfg = writer_cfg(output, schema, compression=compression, layout=layout,
+    cfg = writer_cfg(shards, schema, compression=compression, layout=layout,
                       row_group_rows=row_group_rows, row_group_mb=row_group_mb, dictionary=dictionary)
-    _prepare_output(output)
+    _prepare_output(shards)
     slots = nodes * ranks_per_node
     est = est_bytes_arrow(table.select(schema.names))
     kinds = table.column("kind").to_pylist()
@@ -225,7 +225,7 @@ def preshard_arrow(table: pa.Table, output: str, *, schema: pa.Schema, nodes: in
         stats += _fill_empty(cfg, s, stats, slots, ranks_per_node)
     m = assemble(cfg=cfg, sets=sets, stats=stats, nodes=nodes, ranks_per_node=ranks_per_node, seed=seed,
                  source=source or {"table": None, "version": None})
-    mf.write(output, m)
+    mf.write(shards, m)
     m["_report"] = _report(m, time.time() - t0)
     return m
 
@@ -320,19 +320,19 @@ def assign_spark(keys, *, slots: int, ranks_per_node: int, seed: int):
     )
 
 
-def samples_table(samples: str) -> tuple[str, str]:
+def samples_table(build_dir: str) -> tuple[str, str]:
     """(build folder, samples table path) from --build-dir (the build folder or its samples table)."""
-    d = storage.absolute(samples)
+    d = storage.absolute(build_dir)
     if delta_io.has_log(storage.join(d, "samples")):
         return d, storage.join(d, "samples")
     if delta_io.has_log(d):
         return d.rsplit("/", 1)[0], d
     state.complete_state(d)  # a build that died before writing samples is named, not a missing table
-    raise InputError(f"--build-dir {samples}: no Delta table at {d}/samples; pass the output folder of "
+    raise InputError(f"--build-dir {build_dir}: no Delta table at {d}/samples; pass the build folder of "
                      "`userwise build`")
 
 
-def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: int, kind: str | None = None,
+def preshard(spark, *, build_dir: str, shards: str, nodes: int, ranks_per_node: int, kind: str | None = None,
              window: str | None = None, target_shard_mb: float = 256.0, row_group_rows: int = 2048,
              row_group_mb: float = 128.0, compression="zstd", layout: str = "parquet", seed: int = 0,
              window_days: int | None = None, dictionary: str = "all") -> dict:
@@ -349,7 +349,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     from userwise.pipelines.runtime import delta_io
 
     t0 = time.time()
-    build_dir, path = samples_table(samples)
+    build_dir, path = samples_table(build_dir)
     _, build_layout, record = build_record.load(build_dir)
     # the folder's complete state: a build or daily job still running, or killed, is not read
     version = state.version_of(build_dir, "samples")
@@ -366,7 +366,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
 
     names = [f.name for f in df.schema]
     schema = shard_arrow_schema([(f.name, spark_to_arrow(f.dataType)) for f in df.schema], build_layout.roles())
-    cfg = writer_cfg(output, schema, compression=compression, layout=layout,
+    cfg = writer_cfg(shards, schema, compression=compression, layout=layout,
                       row_group_rows=row_group_rows, row_group_mb=row_group_mb, dictionary=dictionary)
     slots = nodes * ranks_per_node
 
@@ -407,7 +407,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
     shard = base + F.col("_slot") * n_sh + F.pmod(F.col("_block"), n_sh)
     total = sum(s["shards_per_rank"] for s in sets) * slots
 
-    _prepare_output(output)
+    _prepare_output(shards)
     full = (
         rows.join(assigned.select("_set", "sample_id", shard.alias("_shard"), "_node", "_rank", "_order"),
                   on=["_set", "sample_id"], how="inner")
@@ -426,7 +426,7 @@ def preshard(spark, *, samples: str, output: str, nodes: int, ranks_per_node: in
         stats += _fill_empty(cfg, s, stats, slots, ranks_per_node)
     m = assemble(cfg=cfg, sets=sets, stats=stats, nodes=nodes, ranks_per_node=ranks_per_node, seed=seed,
                  source={"table": path, "version": version})
-    mf.write(output, m)
+    mf.write(shards, m)
     m["_report"] = _report(m, time.time() - t0)
     return m
 
@@ -448,7 +448,7 @@ def cli(args) -> int:
     from userwise.pipelines.runtime.spark import get_spark
 
     spark = get_spark(args.master, app="userwise-preshard")
-    m = preshard(spark, samples=args.build_dir, output=args.shards, nodes=args.nodes,
+    m = preshard(spark, build_dir=args.build_dir, shards=args.shards, nodes=args.nodes,
                  ranks_per_node=args.ranks_per_node, kind=args.kind, window=args.window,
                  target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
                  row_group_mb=args.row_group_mb, compression=args.compression,

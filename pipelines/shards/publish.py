@@ -85,9 +85,9 @@ def set_root(shards: str, key: str) -> str:
     return storage.join(storage.absolute(shards), key)
 
 
-def is_published(output: str, kind: str, key_date, shards: str | None = None) -> bool:
+def is_published(build_dir: str, kind: str, key_date, shards: str | None = None) -> bool:
     """True when the record exists and (with shards) its set is in place unchanged."""
-    rec = published.read(output, kind, key_date)
+    rec = published.read(build_dir, kind, key_date)
     if rec is None:
         return False
     if shards is None:
@@ -101,9 +101,9 @@ def is_published(output: str, kind: str, key_date, shards: str | None = None) ->
             and storage.exists(storage.join(root, MARKER)) and mf.file_sha256(man) == sh["manifest_sha256"])
 
 
-def unpublish(output: str, kind: str, key_date, shards: str | None = None) -> None:
+def unpublish(build_dir: str, kind: str, key_date, shards: str | None = None) -> None:
     """Remove the day's record (first) and its set's marker: the day reads as not published."""
-    published.remove(output, kind, key_date)
+    published.remove(build_dir, kind, key_date)
     if shards:
         storage.remove(storage.join(set_root(shards, set_key(kind, date=key_date, as_of=key_date)), MARKER))
 
@@ -138,7 +138,8 @@ def move_into_place(staging: str, final: str) -> str:
             raise ShardError(f"{staging}: could not move the staged set to {final} ({e}); publish again") from None
     elif not storage.exists(storage.join(final, mf.MANIFEST)):
         raise ShardError(f"{staging}: no staged shard set and none published at {final}; "
-                         "run `userwise preshard --shards " + staging + "` first")
+                         f"pre-shard the set there first (userwise preshard with --shards {staging} and the set's "
+                         "--kind and --window)")
     for i in fs.get_file_info(pafs.FileSelector(parent)):
         if i.base_name.startswith(name + ".old-") and i.type == pafs.FileType.Directory:
             _rmtree(final[: len(final) - len(name)] + i.base_name)
@@ -154,7 +155,7 @@ def _rmtree(path: str) -> None:
         pass
 
 
-def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, shards: str | None = None,
+def publish(build_dir: str, *, kind: str = "incremental", date=None, as_of=None, shards: str | None = None,
             window_days: int = 1, now: dt.datetime | None = None) -> dict:
     """Publish one day's window (or one pretrain set): shards into place, then the markers."""
     if kind == "incremental" and date is None:
@@ -162,7 +163,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     if kind == "pretrain" and as_of is None:
         raise UserwiseError("publish --kind pretrain needs --as-of")
     key = set_key(kind, date=date, as_of=as_of)
-    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": state.complete_state(output)["tables"], "shards": None}
+    rec: dict = {"format_version": FORMAT_VERSION, "kind": kind, "tables": state.complete_state(build_dir)["tables"], "shards": None}
     if kind == "incremental":
         ws, we = window_of(date, window_days)
         rec.update(date=_d(date).isoformat(), window_start=ws.isoformat(), window_end=we.isoformat(),
@@ -170,7 +171,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     else:
         rec.update(as_of=_d(as_of).isoformat())
     if "samples" not in rec["tables"]:
-        raise UserwiseError(f"{storage.join(output, 'samples')}: no samples table; run the window/pretrain job "
+        raise UserwiseError(f"{storage.join(build_dir, 'samples')}: no samples table; run the window/pretrain job "
                             "before publishing")
     if shards:
         final = set_root(shards, key)
@@ -183,7 +184,7 @@ def publish(output: str, *, kind: str = "incremental", date=None, as_of=None, sh
     key_date = date if kind == "incremental" else as_of
     if shards:
         write_json(storage.join(set_root(shards, key), MARKER), rec)
-    published.write(output, kind, key_date, rec)  # last: the day counts as published from here
+    published.write(build_dir, kind, key_date, rec)  # last: the day counts as published from here
     return rec
 
 

@@ -26,16 +26,16 @@
   command resumes.
 - Progress on stderr: one line redrawn in place on a terminal, a new line every 10 s
   elsewhere (a log), nothing with ``--quiet``.
-- ``dest/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
+- ``staged/manifest.json`` (the manifest plus ``"staged_node": k``) is removed
   first and written last: a half-staged folder has none, and the loader
   refuses it.
 - Hostile manifests (docs/security.md): every path the manifest holds is checked before
   anything is touched (:func:`~userwise.pipelines.shards.manifest.safe_relpath`: relative,
   normalised, no ``..``, no scheme), and so are its fields' types; a target is written only
-  inside ``dest`` after resolving the symlinks in its folders, a local source only inside the
+  inside ``staged`` after resolving the symlinks in its folders, a local source only inside the
   shard set's root; ``.part`` files are opened without following links; every source file's
   size is checked against the manifest before the first byte is written.
-- One stage per destination: ``dest/.stage.lock`` (an ``flock``, released by the kernel
+- One stage per destination: ``staged/.stage.lock`` (an ``flock``, released by the kernel
   when the process dies, so a killed stage's lock is taken over by the next) refuses a
   second concurrent stage, naming the first's process.
 
@@ -174,39 +174,39 @@ def retrying(fn, *, retries: int, backoff: float, what: str, prog: _Progress, st
                 raise
 
 
-def _check_dest_manifest(dest: str, m: dict, node: int) -> None:
-    if not os.path.exists(os.path.join(dest, mf.MANIFEST)):
+def _check_staged_manifest(staged: str, m: dict, node: int) -> None:
+    if not os.path.exists(os.path.join(staged, mf.MANIFEST)):
         return
     try:
-        old = mf.load(dest)
+        old = mf.load(staged)
     except ShardError:
         return  # a damaged leftover: it is removed and rewritten
     same = ({k: v for k, v in old.items() if k != "staged_node"} == m) and old.get("staged_node") == node
     if not same:
         what = f"node {old.get('staged_node')} of {old.get('source', {}).get('table')} " \
                f"(version {old.get('source', {}).get('version')}, schema {old.get('schema_fingerprint')})"
-        raise ShardError(f"{dest}: already holds {what}, a different shard set or node; "
+        raise ShardError(f"{staged}: already holds {what}, a different shard set or node; "
                          "stage into an empty folder or delete it first")
 
 
-def stage(shards: str, node: int, dest: str, *, workers: int = 8, limit_mbps: float | None = None,
+def stage(shards: str, node: int, staged: str, *, workers: int = 8, limit_mbps: float | None = None,
           fs=None, out=sys.stderr, range_mb: float = RANGE_MB, retries: int = RETRIES,
           backoff: float = BACKOFF_S) -> dict:
-    """Stage node ``node`` of the shard set at ``shards`` into ``dest``; return a report dict.
+    """Stage node ``node`` of the shard set at ``shards`` into ``staged``; return a report dict.
 
     A file's (or a range's) copy that fails on the store is retried ``retries`` times with
     exponential backoff from ``backoff`` seconds, resuming from what it had copied."""
     _check_rate("limit_mbps", "--limit-mbps", limit_mbps, nullable=True)
     _check_rate("range_mb", "--range-mb", range_mb)
     try:
-        return _stage(shards, node, dest, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
+        return _stage(shards, node, staged, workers=workers, limit_mbps=limit_mbps, fs=fs, out=out,
                       range_bytes=max(int(range_mb * (1 << 20)), 1 << 16), retries=retries, backoff=backoff)
     except Exception as e:
         if (fs is None and "://" not in shards) or not _is_store_failure(e):
             raise
         msg = str(e).splitlines()[0][:160] if str(e) else ""
         raise StoreGone(f"{shards}: the store stopped answering while node {node} was staged "
-                        f"({type(e).__name__}{': ' + msg if msg else ''}); finished and partial files in {dest} "
+                        f"({type(e).__name__}{': ' + msg if msg else ''}); finished and partial files in {staged} "
                         "are kept: run the same command again when the store is back, it resumes") from None
 
 
@@ -219,7 +219,7 @@ def _check_rate(name: str, flag: str, value, *, nullable: bool = False) -> None:
                             + ("; leave it out for no cap" if nullable else ""))
 
 
-def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float | None, fs, out,
+def _stage(shards: str, node: int, staged: str, *, workers: int, limit_mbps: float | None, fs, out,
            range_bytes: int, retries: int, backoff: float) -> dict:
     src_fs, src_base = mf.resolve(shards, fs)
     m = mf.load(shards, fs)
@@ -234,20 +234,20 @@ def _stage(shards: str, node: int, dest: str, *, workers: int, limit_mbps: float
         src_root = os.path.realpath(src_base)
         for rel, _, _ in items:
             _inside(src_root, os.path.realpath(os.path.join(src_base, rel)), f"{shards}: {rel}", "the shard set's root")
-    dest = os.path.abspath(dest)
-    existed = os.path.isdir(dest)
-    if not existed and os.path.lexists(dest):
-        raise ShardError(f"--staged {dest}: is a file, not a folder; choose a folder (stage creates it)")
-    os.makedirs(dest, exist_ok=True)
+    staged = os.path.abspath(staged)
+    existed = os.path.isdir(staged)
+    if not existed and os.path.lexists(staged):
+        raise ShardError(f"--staged {staged}: is a file, not a folder; choose a folder (stage creates it)")
+    os.makedirs(staged, exist_ok=True)
     try:
-        with _lock(dest, f"node {node} of {shards}"):
-            return _stage_locked(m, items, src_fs, src_base, shards, node, dest, workers=workers,
+        with _lock(staged, f"node {node} of {shards}"):
+            return _stage_locked(m, items, src_fs, src_base, shards, node, staged, workers=workers,
                                  limit_mbps=limit_mbps, out=out, range_bytes=range_bytes, retries=retries,
                                  backoff=backoff)
     except BaseException:
         if not existed:  # a refusal leaves no empty destination behind (a copy under way keeps its files)
             with contextlib.suppress(OSError):
-                os.rmdir(dest)
+                os.rmdir(staged)
         raise
 
 
@@ -255,13 +255,13 @@ LOCK = ".stage.lock"
 
 
 @contextlib.contextmanager
-def _lock(dest: str, what: str):
-    """Hold ``dest``'s stage lock; anything but a regular file at ``dest/.stage.lock`` (a link, a
+def _lock(staged: str, what: str):
+    """Hold ``staged``'s stage lock; anything but a regular file at ``staged/.stage.lock`` (a link, a
     folder) is refused, never followed: the lock is opened with ``O_NOFOLLOW``, so a link's target
     is untouched."""
     import stat
 
-    path = os.path.join(dest, LOCK)
+    path = os.path.join(staged, LOCK)
     bad = ShardError(f"{path}: not a lock file stage wrote (a symbolic link, a folder or another special file); "
                      "refused without touching what it points at: remove it and run the same command again")
     with contextlib.suppress(FileNotFoundError):
@@ -286,10 +286,10 @@ def _inside(root: str, path: str, what: str, where: str) -> None:
                          "refused before anything was written: remove the link")
 
 
-def _target(dest: str, rel: str) -> str:
-    """The local path of ``rel`` in ``dest``: refused unless its folder, symlinks resolved, is in ``dest``."""
-    final = os.path.join(dest, rel)
-    _inside(os.path.realpath(dest), os.path.realpath(os.path.dirname(final)), f"{dest}: {rel}", "the destination")
+def _target(staged: str, rel: str) -> str:
+    """The local path of ``rel`` in ``staged``: refused unless its folder, symlinks resolved, is in ``staged``."""
+    final = os.path.join(staged, rel)
+    _inside(os.path.realpath(staged), os.path.realpath(os.path.dirname(final)), f"{staged}: {rel}", "the destination")
     return final
 
 
@@ -306,11 +306,11 @@ def _open_part(part: str, flags: int) -> int:
         raise
 
 
-def _stage_locked(m: dict, items: list, src_fs, src_base: str, shards: str, node: int, dest: str, *, workers: int,
+def _stage_locked(m: dict, items: list, src_fs, src_base: str, shards: str, node: int, staged: str, *, workers: int,
                   limit_mbps: float | None, out, range_bytes: int, retries: int, backoff: float) -> dict:
-    _check_dest_manifest(dest, m, node)
-    finals = {rel: _target(dest, rel) for rel, _, _ in items}
-    dman = os.path.join(dest, mf.MANIFEST)
+    _check_staged_manifest(staged, m, node)
+    finals = {rel: _target(staged, rel) for rel, _, _ in items}
+    dman = os.path.join(staged, mf.MANIFEST)
     if os.path.lexists(dman):
         os.remove(dman)
 
@@ -347,10 +347,10 @@ def _stage_locked(m: dict, items: list, src_fs, src_base: str, shards: str, node
         else:
             have = os.path.getsize(part) if os.path.isfile(part) and not os.path.islink(part) else 0
         need += size - min(have, size)
-    free = disk_free(dest)
+    free = disk_free(staged)
     if free < need + MARGIN:
-        raise ShardError(f"{dest}: {free / 1e9:.2f} GB free, node {node} needs {need / 1e9:.2f} GB "
-                         f"(+{MARGIN >> 20} MB margin); free space or choose another --dest")
+        raise ShardError(f"{staged}: {free / 1e9:.2f} GB free, node {node} needs {need / 1e9:.2f} GB "
+                         f"(+{MARGIN >> 20} MB margin); free space or choose another --staged folder")
 
     # 3. copy in parallel
     prog = _Progress(node, len(pending), sum(s for _, s, _ in pending), out=out, limit_mbps=limit_mbps)
@@ -496,8 +496,8 @@ def _stage_locked(m: dict, items: list, src_fs, src_base: str, shards: str, node
     seconds = prog.finish()
 
     # 4. the manifest, last
-    mf.write(dest, dict(m, staged_node=node))
-    return {"node": node, "dest": dest, "files": len(items), "copied": len(pending), "skipped": skipped,
+    mf.write(staged, dict(m, staged_node=node))
+    return {"node": node, "staged": staged, "files": len(items), "copied": len(pending), "skipped": skipped,
             "resumed": len(resumed), "retries": prog.retries, "bytes": prog.done_bytes, "seconds": round(seconds, 3),
             "mb_per_s": round(prog.done_bytes / 1e6 / max(seconds, 1e-9), 2)}
 
@@ -549,7 +549,7 @@ def disk_free(path: str) -> int:
 
 
 def report_text(rep: dict) -> str:
-    return (f"staged node {rep['node']} into {rep['dest']}: {rep['files']} files, {rep['copied']} copied "
+    return (f"staged node {rep['node']} into {rep['staged']}: {rep['files']} files, {rep['copied']} copied "
             f"({rep['resumed']} resumed), {rep['skipped']} already there, {rep['bytes'] / 1e6:.1f} MB in "
             f"{rep['seconds']:.1f} s ({rep['mb_per_s']:.1f} MB/s)")
 

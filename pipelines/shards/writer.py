@@ -104,7 +104,7 @@ class ShardWriter:
         self.cfg, self.shard, self.node, self.rank = cfg, shard, node, rank
         self.rel = shard_name(shard, node)
         storage.apply(cfg.get("storage"))  # the driver's store settings reach the executors
-        fs, base = mf.resolve(cfg["output"])
+        fs, base = mf.resolve(cfg["shards"])
         self.fs, self.final = fs, mf.join(base, self.rel)
         self.local = isinstance(fs, pafs.LocalFileSystem)
         tag = uuid.uuid4().hex[:12]
@@ -251,7 +251,7 @@ def write_empty(cfg: dict, shard: int, node: int, rank: int) -> dict:
     return w.close()
 
 
-def writer_cfg(output, schema, *, compression, layout, row_group_rows, row_group_mb, dictionary="all") -> dict:
+def writer_cfg(shards, schema, *, compression, layout, row_group_rows, row_group_mb, dictionary="all") -> dict:
     parse_dictionary(dictionary, schema)  # a bad value fails here, before any Spark work
     if layout not in ("parquet", "gds"):
         raise UserwiseError(f"--layout {layout}: use parquet or gds")
@@ -263,6 +263,6 @@ def writer_cfg(output, schema, *, compression, layout, row_group_rows, row_group
                                 "use --layout parquet") from None
     # field docs are not part of the contract (the fingerprint ignores them): keep files lean
     schema = pa.schema([f.remove_metadata() for f in schema], metadata=schema.metadata)
-    return {"output": output, "schema": schema, "compression": parse_compression(compression, schema),
+    return {"shards": shards, "schema": schema, "compression": parse_compression(compression, schema),
             "dictionary": dictionary, "layout": layout, "row_group_rows": int(row_group_rows),
             "row_group_bytes": int(row_group_mb * (1 << 20)), "storage": storage.settings()}

@@ -156,7 +156,7 @@ def _run(a, out: str, base: str | None, conf: dict[str, str]) -> int:
     if not a.skip_fat:
         step("4. build from the legacy fat-row log (stitched snapshots)",
              ["build", "--config", storage.join(logs, "config_fat.yaml"), "--input", storage.join(logs, "fat"),
-              "--build-dir", storage.join(where, "build_fat"), "--as-of", as_of, "--pretrain-days", "2",
+              "--build-dir", storage.join(where, "build_fat"), "--as-of", as_of, "--incremental-days", "2",
               "--window-days", "1", "--report", storage.join(where, "report_fat.json"), *spark_args])
     shards = storage.join(where, "shards")
     step("5. pre-shard per node, balanced per rank",

@@ -124,7 +124,7 @@ def daily_runs(fast_spark, data, tmp_path_factory):
     cfg = config.load(str(data / "config.yaml"))
     after = []
     for d in DAYS:
-        backfill.run_day(fast_spark, cfg, input_path=str(data / "lean"), output=str(out), shards=str(shards),
+        backfill.run_day(fast_spark, cfg, input_path=str(data / "lean"), build_dir=str(out), shards=str(shards),
                          date=dt.date.fromisoformat(d), nodes=2, ranks_per_node=1)
         after.append((table_digest(out), shard_digest(shards)))
     return {"out": out, "shards": shards, "after": after, "cfg": cfg}
@@ -134,7 +134,7 @@ def daily_runs(fast_spark, data, tmp_path_factory):
 @pytest.mark.slow
 def test_backfill_equals_daily_runs_skips_published_and_force_is_identical(fast_spark, data, daily_runs, tmp_path):
     cfg = daily_runs["cfg"]
-    kw = dict(input_path=str(data / "lean"), nodes=2, ranks_per_node=1, output=str(tmp_path / "bf"),
+    kw = dict(input_path=str(data / "lean"), nodes=2, ranks_per_node=1, build_dir=str(tmp_path / "bf"),
               shards=str(tmp_path / "bf_s"))
     # one backfill over the three days
     res = backfill.backfill(fast_spark, cfg, date_from=DAYS[0], date_to=DAYS[-1], **kw)

@@ -445,7 +445,7 @@ def test_backfill_of_the_month_in_one_go_equals_the_range_build(spark, month, tm
         sc.setJobGroup(group, group)
         try:
             res = backfill.backfill(spark, month["cfg"], date_from=first, date_to=T - dt.timedelta(days=1),
-                                    input_path=month["imp"], output=out, actions_path=month["act"],
+                                    input_path=month["imp"], build_dir=out, actions_path=month["act"],
                                     log=lambda _: None)
         finally:
             sc.setJobGroup("", "")

@@ -29,7 +29,7 @@ from userwise import schemas
 from userwise.pipelines import cli
 from userwise.pipelines.runtime import delta_io
 
-# window settings: name -> (M = --pretrain-days, N = --window-days), as-of 2026-03-06, data from 03-01
+# window settings: name -> (M = --incremental-days, N = --window-days), as-of 2026-03-06, data from 03-01
 WINDOWS = {
     "pretrain": (0, 1),  # M=0: everything before as-of is pretrain
     "incremental": (6, 2),  # as-of - 6 days = 02-28 falls before all impressions: no pretrain requests
@@ -483,7 +483,7 @@ def test_loader_batches_expand_like_spark_expand(case, expander, builder, spark,
     b = builder(*case)
     want = expander(*case)
     shards = tmp_path / "shards"
-    preshard.preshard(spark, samples=str(b.out), output=str(shards), nodes=1, ranks_per_node=2, row_group_rows=4)
+    preshard.preshard(spark, build_dir=str(b.out), shards=str(shards), nodes=1, ranks_per_node=2, row_group_rows=4)
     parts, chains = [], {}
     for rank in range(2):
         ds = UserwiseDataset(str(shards), rank=rank, world_size=2, batch_size=3, seed=5)

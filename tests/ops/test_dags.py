@@ -187,22 +187,16 @@ def test_every_variable_and_run_conf_key_is_honoured_or_refused_by_name(layer, k
         c.resolve(c.load_file(), kw["variable"], kw["run_conf"], dt.date(2026, 1, 3))
 
 
-def test_the_old_key_names_still_work_with_a_warning(tmp_path):
-    """``output`` and ``pretrain_days`` were the main keys; they are ``build_dir`` and
-    ``incremental_days`` now (the command line's words), the old ones warned for one release."""
+def test_an_old_key_name_is_an_unknown_key(tmp_path):
+    """``output`` and ``pretrain_days`` are no settings: the keys are the command line's words
+    (``build_dir``, ``incremental_days``), and a file or a run naming another key is refused."""
     c = common()
     p = tmp_path / "uw.yaml"
     p.write_text("output: /old/D\npretrain_days: 5\n")
-    with pytest.warns(FutureWarning) as caught:  # one warning per old key, each naming its new one
-        f = c.load_file(p)
-    said = sorted(str(w.message).split(": ", 1)[1] for w in caught)
-    assert said == ["'output' is an old name of 'build_dir'; use 'build_dir' (the old name goes in the next release)",
-                    "'pretrain_days' is an old name of 'incremental_days'; use 'incremental_days' "
-                    "(the old name goes in the next release)"], said
-    assert f["build_dir"] == "/old/D" and f["incremental_days"] == 5 and "output" not in f
-    with pytest.warns(FutureWarning, match="'pretrain_days' is an old name of 'incremental_days'"):
-        got = c.resolve(f, {}, {"pretrain_days": 3}, dt.date(2026, 1, 3))
-    assert got["incremental_days"] == 3
+    with pytest.raises(c.SettingsError, match=r"unknown keys \['output', 'pretrain_days'\]"):
+        c.load_file(p)
+    with pytest.raises(c.SettingsError, match="unknown key 'pretrain_days'"):
+        c.resolve(c.load_file(), {}, {"pretrain_days": 3}, dt.date(2026, 1, 3))
 
 
 def test_paths_on_cluster_storage_stay_urls():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from userwise.pipelines import console
+from userwise.pipelines import cli, console
 from userwise.pipelines.builder import build as build_range
 from userwise.pipelines.records import state, writer_lock
 from userwise.pipelines.runtime import delta_io
@@ -117,14 +118,17 @@ def test_a_killed_build_is_refused_by_readers_and_its_rerun_equals_an_uninterrup
     p.wait()
     assert not (out / "_userwise" / "complete.json").exists()
 
-    one_error(run("preshard", "--build-dir", str(out), "--shards", str(tmp_path / "S"), "--nodes", "1",
-                  "--ranks-per-node", "1", check=False), "`userwise build", "did not finish", "run it again")
+    line = one_error(run("preshard", "--build-dir", str(out), "--shards", str(tmp_path / "S"), "--nodes", "1",
+                         "--ranks-per-node", "1", check=False), "`userwise build", "did not finish", "run it again")
+    hint = shlex.split(re.search(r"`userwise ([^`]*)`", line).group(1))
+    parse = cli.parser().parse_args
+    assert vars(parse(hint)) == vars(parse(build_args(log, out))), hint  # the killed command itself, to paste
     one_error(run("expand", "--build-dir", str(out), "--expanded", str(tmp_path / "x"), check=False),
               "`userwise build", "did not finish")
     assert not (tmp_path / "S" / "manifest.json").exists()
 
-    # takes over the dead build's lock and replaces what it wrote; --quiet: no progress lines
-    r = run(*build_args(log, out), "--quiet")
+    # the hint, pasted: takes over the dead build's lock and replaces what it wrote; --quiet: no progress lines
+    r = run(*hint, "--quiet")
     assert "[userwise]" not in r.stderr and r.stdout.startswith("rows read "), r.stderr
     got, want = tables(str(out)), tables(str(clean))
     for t in TABLES:  # compared as Python values, where NaN labels and scores equal themselves
@@ -142,7 +146,7 @@ def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_pa
     # A window job runs (it holds the lock and is marked running) and has committed half its work.
     lock = writer_lock.WriterLock(out, "window").acquire()
     try:
-        state.begin(out, "window", date="2026-01-03")
+        state.begin(out, "window", config="/conf/c.yaml", date="2026-01-03", window_days=1)
         from deltalake import DeltaTable
 
         DeltaTable(os.path.join(out, "samples")).delete("kind = 'pretrain'")
@@ -153,7 +157,8 @@ def test_readers_keep_the_previous_complete_state_while_a_job_runs(clean, tmp_pa
     finally:
         lock.release()
     # The job is gone without finishing: readers now refuse the folder, naming it.
-    one_error(run(*args, "--shards", str(tmp_path / "after"), check=False), "`userwise window --date 2026-01-03`",
+    one_error(run(*args, "--shards", str(tmp_path / "after"), check=False),
+              f"`userwise window --config /conf/c.yaml --build-dir {out} --date 2026-01-03 --window-days 1`",
               "did not finish")
 
 

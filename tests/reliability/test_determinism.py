@@ -118,7 +118,7 @@ def test_shards_byte_identical_across_reruns(builds, spark, tmp_path):
     roots, manifests = [], []
     for name in ("p2", "p2-rerun"):
         root = tmp_path / f"shards-{name}"
-        m = preshard.preshard(spark, samples=str(out[name]), output=str(root), nodes=1, ranks_per_node=2,
+        m = preshard.preshard(spark, build_dir=str(out[name]), shards=str(root), nodes=1, ranks_per_node=2,
                               row_group_rows=4)
         roots.append(root)
         manifests.append(json.loads((root / mf.MANIFEST).read_text()))

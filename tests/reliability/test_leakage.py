@@ -61,7 +61,7 @@ def lean_logs(draw):
     """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy, lag in ms)."""
     L = draw(st.integers(2, 3), label="max_seq_len")
     cap = draw(st.integers(L + 1, L + 4), label="max_sample_cost")
-    M = draw(st.sampled_from([1, 2]), label="pretrain_days")
+    M = draw(st.sampled_from([1, 2]), label="incremental_days")
     n_users = draw(st.integers(2, 4), label="users")
     rows: list[dict] = []
     acts: list[dict] = []

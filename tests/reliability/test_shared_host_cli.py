@@ -90,7 +90,7 @@ def test_validate_sample_rows_is_bounded(log):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flag", ["--incremental-days", "--window-days", "--pretrain-days"])
+@pytest.mark.parametrize("flag", ["--incremental-days", "--window-days"])
 def test_build_day_counts_are_bounded_before_spark_starts(log, tmp_path, flag):
     """`build --incremental-days 1000000000` started Spark, then failed with exit 1 (a date before
     year 1); every day count is now at most 36,500, so a command's date plus or minus it is a date."""

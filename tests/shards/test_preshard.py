@@ -51,7 +51,7 @@ def built(spark, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("build"))
     table = write_build(spark, d, seed=3)
     out = str(tmp_path_factory.mktemp("shards") / "S")
-    m = preshard.preshard(spark, samples=d, output=out, **KW)
+    m = preshard.preshard(spark, build_dir=d, shards=out, **KW)
     return d, table, out, m
 
 
