@@ -22,8 +22,9 @@ session, Delta's jars, Delta I/O, shipping the project to executors) and
 complete state, writer locks, published records). Above them:
 :mod:`~userwise.pipelines.manage` (backfill, forget: both steps at once) and
 :mod:`~userwise.pipelines.tools` (synthetic logs and samples, local stores, the demo).
-The modules every part shares: ``errors`` (errors a user can act on), ``console`` (a
-command's report on stdout, text or JSON, and the exit codes), ``jagged`` (the jagged-array
+The modules every part shares: ``errors`` (every error a user can act on and the exit
+codes, below every other module, ``schemas`` included), ``console`` (a command's report on
+stdout, text or JSON), ``jagged`` (the jagged-array
 helpers the loader, the trainer's side and serving share: offsets, ranges, positions, request
 spans, packing arrays into one batch buffer), ``config`` (the column roles) and ``cli`` (the
 ``userwise`` command). ``tests/ops/test_layers.py``

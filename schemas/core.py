@@ -15,6 +15,8 @@ from typing import Iterable
 
 import pyarrow as pa
 
+from userwise.pipelines.errors import SchemaError
+
 FORMAT_VERSION = 4
 """Format version of every table and file this product writes.
 
@@ -41,18 +43,6 @@ COMMENT = "comment"
 """The field-metadata key of a column's description (:attr:`Field.doc`): the key Spark and
 Delta use for column comments, so ``DESCRIBE TABLE`` shows it and Arrow and delta-rs readers
 find it in the field's metadata."""
-
-
-class SchemaError(ValueError):
-    """A table or file does not have the schema this product expects.
-
-    Example::
-
-        try:
-            check_version(manifest.get("format_version"), path)
-        except SchemaError as e:            # also a ValueError
-            print(e)
-    """
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ imports pyspark.
 
 Layers, lowest first (a module may import its own layer's package and the layers below):
 
-0. ``schemas``: every table's and file's schema
-1. ``pipelines.errors``, ``pipelines.console`` (a command's report and exit codes) and
-   ``pipelines.jagged`` (the jagged-array helpers the loader, trainer and serving share)
+0. ``pipelines.errors``: every error class and the exit codes; it imports nothing of the
+   product's, so that ``schemas`` raises its ``SchemaError`` under ``UserwiseError`` too
+1. ``schemas`` (every table's and file's schema), ``pipelines.console`` (a command's report)
+   and ``pipelines.jagged`` (the jagged-array helpers the loader, trainer and serving share)
 2. ``pipelines.runtime``: storage, progress, the Spark session, jars, Delta I/O, shipping
 3. ``pipelines.config``: the column roles
 4. ``pipelines.records``: the build folder's records (``_userwise/``)
@@ -34,8 +35,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [
-    ["schemas"],
-    ["pipelines.errors", "pipelines.console", "pipelines.jagged"],
+    ["pipelines.errors"],
+    ["schemas", "pipelines.console", "pipelines.jagged"],
     ["pipelines.runtime"],
     ["pipelines.config"],
     ["pipelines.records"],
