@@ -121,10 +121,10 @@ def _batches(loader, n=None):
 def test_resume_mid_epoch_equals_uninterrupted_run(shardset, workers_before, workers_after):
     kw = dict(batch_size=8, verify="none", world_size=1, rank=0, seed=3)
     full = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers_before)
-    full.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    full.set_epoch(1)
     want = _batches(full)
     first = UserwiseLoader(UserwiseDataset(shardset, **kw), num_workers=workers_before)
-    first.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    first.set_epoch(1)
     head = _batches(first, 7)
     state = first.state_dict()
     assert {k: state[k] for k in ("epoch", "cursor", "seed", "samples")} == {
@@ -193,7 +193,7 @@ def test_the_next_epoch_is_planned_while_the_workers_read(shardset, monkeypatch)
     second = _batches(ld)
     assert calls == [0, 1, 2]
     alone = UserwiseLoader(UserwiseDataset(shardset, **kw))
-    alone.load_state_dict({"epoch": 1, "cursor": 0, "seed": 3})
+    alone.set_epoch(1)
     assert second == _batches(alone)
     calls.clear()
     monkeypatch.setattr(Epochs, "spans_nodes", lambda self: True)

@@ -114,16 +114,17 @@ def test_a_state_of_another_shard_set_node_or_rank_is_refused(shardset, two_node
     _refused(ld, "epoch 3", "dict")
 
 
-def test_old_states_resume_at_their_cursor_as_before(shardset):
+def test_a_state_lacking_a_saved_field_is_refused_and_none_starts_at_the_beginning(shardset):
+    """Only what state_dict() saves resumes: ``{epoch, cursor, seed}`` says neither the shard
+    set nor the rank, so it is refused naming what it lacks; ``{}`` (no checkpoint yet) starts."""
     want = ids(loader(shardset, 0, 2))
-    ld = loader(shardset, 0, 2)
-    ld.load_state_dict({"epoch": 0, "cursor": 4, "seed": 3})
-    assert ids(ld) == want[4:]
-    assert ld.state_dict()["epoch"] == 1
+    _refused(loader(shardset, 0, 2), {"epoch": 0, "cursor": 4, "seed": 3}, "lacks", "'world_size'", "'shards'")
+    st = saved(loader(shardset, 0, 2))
+    del st["plan"]
+    _refused(loader(shardset, 0, 2), st, "lacks ['plan']")
     fresh = loader(shardset, 0, 2)
     fresh.load_state_dict({})  # no checkpoint yet: ckpt.get("loader", {})
     assert ids(fresh) == want
-    _refused(loader(shardset, 0, 2), {"epoch": 0, "cursor": 4, "seed": 9}, "seed 9")
 
 
 def test_loading_only_compares_and_the_plan_is_checked_at_the_next_iteration(shardset, monkeypatch):

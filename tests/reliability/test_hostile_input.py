@@ -438,25 +438,35 @@ def test_an_ill_typed_state_is_refused(shards, state, needle):
     assert needle in str(e.value), str(e.value)
 
 
-def test_an_old_format_state_resumes_exactly_or_is_refused(shards):
-    """``{epoch, cursor, seed}`` (states saved before they recorded more) resumes at ``cursor``
-    of this loader's plan, exactly; a cursor past the epoch's batches is refused (it yielded
-    0 batches without a word)."""
+def test_a_state_resumes_exactly_or_is_refused(shards):
+    """A saved state resumes at its ``cursor`` of this loader's plan, exactly; a cursor past the
+    epoch's batches is refused (it yielded 0 batches without a word); a state lacking what
+    state_dict() saves (``{epoch, cursor, seed}``) is refused naming the fields."""
     def loader():
         return UserwiseLoader(UserwiseDataset(shards, device="cpu", batch_size=4, seed=0))
 
     ref = [bytes(b.buffer.numpy()) for b in loader()]
     assert len(ref) > 3
+    def state_after(n: int) -> dict:
+        ld = loader()
+        it = iter(ld)
+        for _ in range(n):
+            next(it)
+        return ld.state_dict()
+
+    st = state_after(2)
     ld = loader()
-    ld.load_state_dict({"epoch": 0, "cursor": 2, "seed": 0})
+    ld.load_state_dict(st)
     assert [bytes(b.buffer.numpy()) for b in ld] == ref[2:]
     ld = loader()
-    ld.load_state_dict({"epoch": 0, "cursor": len(ref), "seed": 0})  # the epoch's end: nothing left, rightly
+    ld.load_state_dict(state_after(len(ref)))  # the epoch's end: nothing left, rightly
     assert list(ld) == []
     ld = loader()
-    ld.load_state_dict({"epoch": 1, "cursor": 10**9, "seed": 0})
+    ld.load_state_dict({**st, "epoch": 1, "cursor": 10**9, "targets": None})
     with pytest.raises(LoaderStateError, match="past the"):
         list(ld)
+    with pytest.raises(LoaderStateError, match=r"lacks \['samples', 'node', 'rank', 'world_size'"):
+        loader().load_state_dict({"epoch": 0, "cursor": 2, "seed": 0})
 
 
 # -- 8. a refusal leaves nothing behind ------------------------------------------------------------

@@ -32,8 +32,8 @@ epoch is planned (:func:`check_plan`):
   the epoch's samples are planned for the new ranks (:func:`remaining`), with equal
   batch counts and the cross-node agreement as in any epoch. The state then carries the
   old run in ``resumed`` (one entry per change), so it resumes again, or changes again;
-- a state without ``world_size`` (``{epoch, cursor, seed}``, saved before states recorded
-  more) resumes at ``cursor`` of this loader's plan, as it always did.
+- a state lacking a field :meth:`state_dict` always saves is refused, naming it; ``{}`` (no
+  checkpoint yet) starts at the beginning.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from userwise.pipelines.errors import UserwiseError, expect
+from userwise.pipelines.errors import LoaderStateError, expect
 from userwise.pipelines.jagged import np_offsets
 from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assign, plan_node
 
@@ -52,19 +52,6 @@ from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assi
 # What a saved run's consumed samples can be remapped across (by the samples consumed).
 REMAPPED = ("world_size", "batch_size", "token_budget")
 HOW = "pass the list of every rank's state (what dist.all_gather_object collects) to load_state_dict"
-
-
-class LoaderStateError(UserwiseError, ValueError):
-    """A loader state that does not fit this loader (another seed, shard set, selection...):
-    its message names the field and the fix.
-
-    Example::
-
-        try:
-            loader.load_state_dict(ckpt["loader"])
-        except LoaderStateError as e:      # also a ValueError
-            print(f"cannot resume: {e}")
-    """
 
 
 def selection(cfg: PlanSettings) -> dict:
@@ -166,6 +153,16 @@ def check_fields(st: Mapping, where: str = "loader state") -> None:
                 expect(x, kind, f"{w}.{name}[{j}]", error=LoaderStateError, fix=FIX)
 
 
+# The fields every state that loader.state_dict() saves holds (``targets`` and ``resumed`` only when set).
+REQUIRED = tuple(k for k in FIELDS if k not in ("targets", "resumed"))
+
+
+def _check_complete(st: Mapping, where: str = "loader state") -> None:
+    missing = [k for k in REQUIRED if k not in st]
+    if missing:
+        raise _refuse(f"{where} lacks {missing}: not a state that loader.state_dict() saved; {FIX}")
+
+
 def _changed(st: Mapping, mine: dict) -> list[str]:
     return [f"{k} {_fmt(st.get(k))} -> {_fmt(mine[k])}" for k in REMAPPED if st.get(k) != mine[k]]
 
@@ -187,11 +184,7 @@ def accept(cfg: PlanSettings, state) -> dict:
     check_fields(state)
     if not state:
         return {"epoch": 0, "cursor": 0}
-    if "world_size" not in state:  # {epoch, cursor, seed}: the meaning it always had
-        if "seed" in state and int(state["seed"]) != cfg.seed:
-            raise _refuse(f"saved with seed {state['seed']}, this dataset has seed {cfg.seed}: resume with "
-                          f"seed={state['seed']}, or start without load_state_dict")
-        return {"epoch": int(state.get("epoch", 0)), "cursor": int(state.get("cursor", 0))}
+    _check_complete(state)
     mine = identity(cfg)
     _check_same_set(cfg, state, mine)
     changed = _changed(state, mine)
@@ -215,9 +208,10 @@ def _fresh(st: Mapping) -> dict:
 
 
 def _accept_all(cfg: PlanSettings, states: list) -> dict:
-    if not states or not all(isinstance(s, Mapping) and "world_size" in s for s in states):
-        raise _refuse("a list of states needs every rank's state as loader.state_dict() saves it (states saved "
-                      "without world_size carry no rank: load this rank's own state)")
+    if not states or not all(isinstance(s, Mapping) for s in states):
+        raise _refuse("a list of states needs every rank's state as loader.state_dict() saves it")
+    for i, s in enumerate(states):
+        _check_complete(s, f"loader state [{i}]")
     mine = identity(cfg)
     here = [s for s in states if s.get("node") == mine["node"]]
     if not here:
