@@ -41,16 +41,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(shards: str, *, device=None, batch_size=64, batches=50, num_workers=0) -> dict:
-    """Return the rates of the three steps and the bottleneck (a dict)."""
+def run(staged: str, *, device=None, batch_size=64, batches=50, num_workers=0) -> dict:
+    """Return the rates of the three steps on the node's staged copy ``staged`` and the
+    bottleneck (a dict)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserwiseError("--device cuda but no CUDA device is available; use --device cpu")
-    ds = UserwiseDataset(shards, batch_size=batch_size, world_size=1, rank=0, verify="size", device=device)
+    ds = UserwiseDataset(staged, batch_size=batch_size, world_size=1, rank=0, verify="size", device=device)
     step = _consumer(device)
     host = next(iter(UserwiseLoader(ds, device="cpu")), None)
     if host is None:
-        raise UserwiseError(f"{shards}: the shards hold no samples; nothing to time")
+        raise UserwiseError(f"{staged}: the shards hold no samples; nothing to time")
     n = max(1, batches)
 
     def timed(get):
