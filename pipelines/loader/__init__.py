@@ -2,7 +2,8 @@
 
 Public names::
 
-    from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, JaggedBatch, expand_batch, LoaderStateError
+    from userwise.pipelines.loader import (UserwiseDataset, UserwiseLoader, JaggedBatch, expand_batch,
+                                           LoaderStateError, WorkerError)
 
 - :class:`UserwiseDataset`: iterable dataset over one node's shards (rank /
   worker split, equal batch counts per rank, seeded shuffle, holdout).
@@ -15,6 +16,8 @@ Public names::
 - :class:`LoaderStateError`: a saved loader state that does not fit this loader (a
   ``UserwiseError`` and a ``ValueError``, as every error a loader argument can cause:
   :class:`~userwise.pipelines.errors.ArgumentError`).
+- :class:`WorkerError`: a worker process failed; it carries the worker's ``error:`` line
+  (a ``RuntimeError`` too). Both errors are defined in :mod:`userwise.pipelines.errors`.
 
 Subpackages and modules, from the shard files to the trainer (a subpackage imports only those
 listed before it and ``logs``; ``tests/ops/test_layers.py`` checks it):
@@ -42,9 +45,9 @@ part, in :mod:`userwise.pipelines.jagged`.
 Never imports pyspark.
 """
 
+from userwise.pipelines.errors import LoaderStateError, WorkerError
 from userwise.pipelines.loader.assembly.batch import JaggedBatch, expand_batch
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import UserwiseLoader
-from userwise.pipelines.loader.planning.resume import LoaderStateError
 
-__all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStateError"]
+__all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStateError", "WorkerError"]

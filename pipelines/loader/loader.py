@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
+from userwise.pipelines.errors import ArgumentError, WorkerError, expect
 from userwise.pipelines.loader.assembly import segcopy
 from userwise.pipelines.loader.assembly.batch import JaggedBatch, as_device, full_device
 from userwise.pipelines.loader.dataset import UserwiseDataset
@@ -249,12 +249,11 @@ class UserwiseLoader:
                 w = int(owner[j])
                 pool.reclaim(w)
                 msg = self._get(pool, w)
-                if isinstance(msg, Failed):
-                    if msg.user:
-                        raise UserwiseError(msg.error)
-                    raise RuntimeError(f"loader worker {w} failed:\n{msg.trace}")
+                if isinstance(msg, Failed):  # the user's error as its own line, a bug as the worker's
+                    raise WorkerError(msg.error if msg.user else f"loader worker {w} failed: {msg.error}", w,
+                                      msg.error, msg.trace, msg.user)
                 if not isinstance(msg, Ready) or msg.index != j:
-                    raise RuntimeError(f"loader worker {w} sent {describe(msg)} where batch {j} was due")
+                    raise WorkerError(f"loader worker {w} sent {describe(msg)} where batch {j} was due", w)
                 slot, fresh, n, spec, meta = msg.slot, msg.fresh, msg.nbytes, msg.spec, msg.meta
                 if "columns" in meta:
                     columns[w] = meta["columns"]
@@ -277,7 +276,7 @@ class UserwiseLoader:
             for w in range(k):
                 msg = self._get(pool, w)
                 if not isinstance(msg, Done):
-                    raise RuntimeError(f"loader worker {w} sent {describe(msg)} after the last batch of the epoch")
+                    raise WorkerError(f"loader worker {w} sent {describe(msg)} after the last batch of the epoch", w)
             pool.busy = False
             clean = True
         finally:
@@ -299,22 +298,23 @@ class UserwiseLoader:
         conn, proc, ready = pool.out[w], pool.procs[w], pool.ready[w]
 
         def exited():
-            return RuntimeError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch")
+            return WorkerError(f"loader worker {w} exited (code {proc.exitcode}) without sending its next batch", w)
 
         deadline = time.monotonic() + self.timeout
         while True:
             try:
                 if ready.poll(1000):  # readable, or its writer closed
                     return conn.recv()
-            except (EOFError, OSError):  # its end of the pipe closed, or a slot it sent went with it
+            except (EOFError, OSError) as e:  # its end of the pipe closed, or a slot it sent went with it
                 proc.join(timeout=5)
                 if proc.is_alive():
-                    raise
+                    raise WorkerError(f"loader worker {w}: its pipe failed ({type(e).__name__}: {e}) while it "
+                                      "still runs", w) from e
                 raise exited() from None
             if not proc.is_alive():
                 raise exited()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"loader worker {w} sent nothing for {self.timeout:.0f}s")
+                raise WorkerError(f"loader worker {w} sent nothing for {self.timeout:.0f}s", w)
 
     def _device_batches(self, host):
         if self.device.type != "cuda":  # host batches (a GDS dataset's come from its device)
