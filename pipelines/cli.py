@@ -36,7 +36,17 @@ import sys
 import traceback
 
 from userwise.pipelines import console
-from userwise.pipelines.errors import DATE_RANGE, MAX_DAYS, MAX_MB, one_line
+from userwise.pipelines.errors import (
+    DATE_RANGE,
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SPARK,
+    EXIT_USER,
+    MAX_DAYS,
+    MAX_MB,
+    one_line,
+)
 
 
 def _date(s: str) -> str:
@@ -487,7 +497,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
 
     def error(self, message: str):
-        self.exit(console.EXIT_USER, f"error: {message} (see `{self.prog} --help`)\n")
+        self.exit(EXIT_USER, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def version() -> str:
@@ -496,13 +506,12 @@ def version() -> str:
     return version()
 
 
-EPILOG = "exit codes: " + "; ".join(f"{k} {v}" for k, v in console.EXIT_CODES.items())
+EPILOG = "exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 
 
 def epilog(spark: bool) -> str:
     """The exit codes a command can give: 3 only where it runs Spark."""
-    return "exit codes: " + "; ".join(f"{k} {v}" for k, v in console.EXIT_CODES.items()
-                                      if spark or k != console.EXIT_SPARK)
+    return "exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items() if spark or k != EXIT_SPARK)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -558,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = handler(args)
     except KeyboardInterrupt:
         print("error: interrupted; run the same command again: finished work is kept", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as e:
         if args.debug:
             traceback.print_exc()
@@ -571,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
         console.JSON = False
-    return int(rc or 0)
+    return int(rc or EXIT_OK)
 
 
 if __name__ == "__main__":

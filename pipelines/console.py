@@ -7,9 +7,8 @@ line, for scripts. Progress and warnings go to stderr, never here, so stdout hol
 report alone (``--quiet``, ``runtime.progress.QUIET``, silences the progress; the report and
 error lines stay).
 
-Exit codes (``userwise --help`` lists them): 0 done; 2 a failure the user can fix (usage,
-input, config, paths, disk, a concurrent writer: the ``error:`` line says what to do); 3 a
-Spark job failed; 1 an internal error (``userwise --debug`` shows its traceback).
+The exit codes (``userwise --help`` lists them) are defined once, beside the errors that give
+them: :data:`userwise.pipelines.errors.EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -18,14 +17,6 @@ import json
 import sys
 
 JSON = False
-
-EXIT_OK = 0
-EXIT_INTERNAL = 1
-EXIT_USER = 2
-EXIT_SPARK = 3
-EXIT_CODES = {EXIT_OK: "done", EXIT_INTERNAL: "internal error (rerun with `userwise --debug ...`)",
-              EXIT_USER: "a failure you can fix: usage, input, config, paths, disk, a concurrent writer",
-              EXIT_SPARK: "a Spark job failed (its log's path is on the error line)"}
 
 
 def as_json(report) -> str:

@@ -35,14 +35,8 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from userwise.pipelines.errors import InputError
+from userwise.pipelines.errors import FileSystemUnavailable, InputError
 from userwise.schemas.layout import storage_name
-
-
-class FileSystemUnavailable(InputError):
-    """pyarrow cannot open the input's file system (e.g. s3a://, hdfs:// without libhdfs):
-    the build then reads it through Spark's own (Hadoop) file systems."""
-
 
 SOURCE_FIELD = "userwise.source_field"  # Spark column metadata: the input's Arrow field (base64 IPC)
 _VERSION = re.compile(r"^(.*)@v(\d+)$")

@@ -28,16 +28,12 @@ import os
 import re
 
 from userwise import schemas as S
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import IncompleteError
 from userwise.pipelines.records import folder, writer_lock
 from userwise.pipelines.runtime import storage
 
 FORMAT_VERSION = S.COMPLETE_FORMAT
 _LOG_ENTRY = re.compile(r"^(\d{20})\.json$")
-
-
-class IncompleteError(UserwiseError):
-    """The build folder holds no complete state to read."""
 
 
 record_path = folder.complete_json

@@ -36,17 +36,13 @@ import socket
 import threading
 import time
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import LockedError
 from userwise.pipelines.records import folder
 from userwise.pipelines.runtime import storage
 
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
 EXCLUSIVE = "exclusive.lock"
-
-
-class LockedError(UserwiseError):
-    """Another job holds the build folder's lock."""
 
 
 lock_dir = folder.locks_dir

@@ -59,7 +59,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import pyarrow.fs as pafs
 
 from userwise.pipelines import console
-from userwise.pipelines.errors import ArgumentError, ShardError, short
+from userwise.pipelines.errors import ArgumentError, ShardError, StoreGone, short
 from userwise.pipelines.records.writer_lock import FolderLock
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.shards import manifest as mf
@@ -70,10 +70,6 @@ RETRIES = 4  # a failed read is retried this often (exponential backoff) before 
 BACKOFF_S = 1.0  # the first retry's wait; each next one waits twice as long
 CHUNK = 8 << 20  # bytes per read: one ranged request on an HTTP store
 RANGE_MB = 64.0  # files larger than this are copied as parallel ranges of this size
-
-
-class StoreGone(ShardError):
-    """The source store stopped answering during the copy."""
 
 
 def _is_store_failure(e: BaseException) -> bool:

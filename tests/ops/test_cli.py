@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from userwise.pipelines import cli, console
+from userwise.pipelines import cli, errors
 from userwise.pipelines.errors import one_line
 
 PY = sys.executable
@@ -218,9 +218,9 @@ def test_exit_codes_tell_a_user_error_from_a_failed_spark_job_and_a_bug():
         pass
 
     AnalysisException.__module__ = "pyspark.errors.exceptions.captured"
-    assert one_line(UserwiseError("fix this"))[0] == console.EXIT_USER == 2
+    assert one_line(UserwiseError("fix this"))[0] == errors.EXIT_USER == 2
     code, line = one_line(AnalysisException("[PATH_NOT_FOUND] gone"), "/tmp/spark.log")
-    assert code == console.EXIT_SPARK == 3 and line.startswith("Spark failed: [PATH_NOT_FOUND] gone")
+    assert code == errors.EXIT_SPARK == 3 and line.startswith("Spark failed: [PATH_NOT_FOUND] gone")
     assert "/tmp/spark.log" in line
     worker = AnalysisException(
         "[PYTHON_EXCEPTION] An exception was thrown from the Python worker: Traceback (most recent call last):\n"
@@ -229,7 +229,7 @@ def test_exit_codes_tell_a_user_error_from_a_failed_spark_job_and_a_bug():
     code, line = one_line(worker)
     assert code == 3 and line.startswith("Spark failed: [PYTHON_EXCEPTION] An exception was thrown from the Python "
                                          "worker: ModuleNotFoundError: No module named 'pyarrow'"), line
-    assert one_line(ZeroDivisionError("x"))[0] == console.EXIT_INTERNAL == 1
+    assert one_line(ZeroDivisionError("x"))[0] == errors.EXIT_INTERNAL == 1
     assert one_line(OSError(28, "No space left", "/nvme/x"))[0] == 2
 
 
