@@ -22,15 +22,20 @@ Modules, in the order a request flows through them:
   target attention over the cached keys and values), equal to the training forward over
   the whole held sequence; the prefix-stability check that says which encoders may be
   cached;
-- ``build_replay``: a build's requests as a serving trace (per node, in time order) served
-  through the cache and through a full recompute, with the report: logits equal, hit
-  rates per tier, tokens recomputed, resident bytes, requests per second
-  (``userwise replay``).
+- ``trace``: a build's requests as a serving trace (:class:`Trace`: per serving node, in
+  time order), read from a shard set through the loader's verified reader;
+- ``build_replay``: the replay (``userwise replay``): a trace's requests served through
+  the cache and through a full recompute, with a seeded model or a checkpoint's
+  (:class:`~userwise.pipelines.train.Checkpoint`), its sizes and the disk tier's folder
+  bounded;
+- ``replay_report``: the replay's report, from each node's ``KVStore.stats()`` and the
+  replay's tallies: logits equal, full and partial reuse and hits per tier, tokens
+  recomputed, resident bytes, requests per second.
 
 Torch and numpy (and pyarrow, where the replay reads a shard set); never imports pyspark.
 """
 
-from userwise.pipelines.serve.build_replay import Trace, TraceRequest, read_trace, replay
+from userwise.pipelines.serve.build_replay import replay
 from userwise.pipelines.serve.chain import Chain, chain_of, chains_of, longest_valid_prefix
 from userwise.pipelines.serve.incremental import (
     CACHEABLE,
@@ -48,6 +53,7 @@ from userwise.pipelines.serve.incremental import (
 )
 from userwise.pipelines.serve.routing import node_of, nodes_of, user_id, user_keys
 from userwise.pipelines.serve.store import TIERS, KVStore, Lease
+from userwise.pipelines.serve.trace import Trace, TraceRequest, read_trace
 
 __all__ = [
     "user_id", "node_of", "nodes_of", "user_keys", "Chain", "chain_of", "chains_of", "longest_valid_prefix",

@@ -2,8 +2,8 @@
 
 Public names::
 
-    from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, Spans,
-    spans, Intervals, target_intervals, causal_intervals, causal_over, request_sequences,
+    from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, Checkpoint,
+    Spans, spans, Intervals, target_intervals, causal_intervals, causal_over, request_sequences,
     dense_target_masks, dense_causal_masks, attend, KernelLayout, hstu_mha_layout,
     hstu_varlen_layout, hstu_mha_mask, hstu_varlen_mask, audit, stochastic_length)
 
@@ -24,7 +24,8 @@ Modules, in the order data flows through them:
 - ``inputs``: the model's inputs (:class:`UserBatch`, :class:`PointwiseBatch`,
   :class:`Fields`);
 - ``model``: the reference model (:class:`ReferenceRanker`): a user-wise and a
-  point-wise forward, and their FLOPs.
+  point-wise forward, and their FLOPs; its checkpoints (``ReferenceRanker.save``,
+  :class:`Checkpoint`: read, checked, built), which training and ``userwise replay`` share.
 
 The jagged helpers (ranges, offsets, positions in segments) are the loader's
 (:mod:`userwise.pipelines.jagged`). Torch only (the kernels are optional and never
@@ -51,12 +52,12 @@ from userwise.pipelines.train.masks import (
     request_sequences,
     target_intervals,
 )
-from userwise.pipelines.train.model import ReferenceRanker
+from userwise.pipelines.train.model import Checkpoint, ReferenceRanker
 from userwise.pipelines.train.stochastic import stochastic_length
 
 __all__ = [
-    "UserBatch", "PointwiseBatch", "Fields", "ReferenceRanker", "Spans", "spans", "Intervals", "target_intervals",
-    "causal_intervals", "causal_over", "request_sequences", "dense_target_masks", "dense_causal_masks", "attend",
-    "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask", "hstu_varlen_mask", "audit",
-    "stochastic_length",
+    "UserBatch", "PointwiseBatch", "Fields", "ReferenceRanker", "Checkpoint", "Spans", "spans", "Intervals",
+    "target_intervals", "causal_intervals", "causal_over", "request_sequences", "dense_target_masks",
+    "dense_causal_masks", "attend", "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask",
+    "hstu_varlen_mask", "audit", "stochastic_length",
 ]

@@ -27,19 +27,34 @@ labels, from the build's roles) and puts it on the batch's device.
 :meth:`ReferenceRanker.forward_pointwise` the same model one impression at a time over
 point-wise rows (:class:`PointwiseBatch`: each row its own sequence, its target over
 the row's history). Neither loops over samples or impressions in Python.
+
+Checkpoints: :meth:`ReferenceRanker.save` writes a torch file ``{"config": the constructor's
+keyword arguments, "state_dict": the weights}`` (with a ``version`` and whatever else a
+training loop keeps: its optimizer, its loaders' positions, its step);
+:meth:`Checkpoint.read` reads one back, checked before any model is built (plain tensors
+and values only, a config no bigger than its weights), and :meth:`Checkpoint.model` (or
+:meth:`ReferenceRanker.load`) builds the model. The training loop (docs/training.md) and
+``userwise replay --checkpoint`` read and write the same files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import inspect
+import os
+import secrets
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
 from userwise.pipelines.train.attention import IMPLEMENTATIONS, attend
 from userwise.pipelines.train.inputs import Fields, PointwiseBatch, UserBatch
 from userwise.pipelines.train.masks import Intervals, causal_over, request_sequences, target_intervals
 
-__all__ = ["ReferenceRanker", "CausalBlock", "ENCODERS"]
+__all__ = ["ReferenceRanker", "Checkpoint", "CausalBlock", "ENCODERS"]
 
 ENCODERS = ("sample", "window", "request", "none")
 
@@ -150,6 +165,94 @@ class ReferenceRanker(nn.Module):
         fields = fields or Fields.from_roles(roles or {})
         return cls(side_features=len(fields.side), num_labels=len(fields.labels), **kw)
 
+    # -- checkpoints -------------------------------------------------------------
+    def config(self) -> dict:
+        """The keyword arguments that build this model again (a checkpoint's ``config``).
+
+        Example::
+
+            twin = ReferenceRanker(**model.config())
+        """
+        return dict(dim=self.dim, heads=self.heads, layers=self.num_layers, side_features=len(self.side),
+                    item_buckets=self.item_buckets, side_buckets=self.side_buckets,
+                    action_buckets=self.action_buckets, num_labels=self.head[-1].out_features, encoder=self.encoder,
+                    window=self.window, attention=self.attention, block=self.block)
+
+    def save(self, path, *, version: str | None = None, **extra) -> None:
+        """Write a checkpoint to ``path``: ``{"config": self.config(), "state_dict": its weights}``,
+        with ``version`` (a serving cache's states belong to one model version; default: the
+        file's sha256 names it when read) and ``extra`` (plain values and tensors, e.g. an
+        optimizer's ``state_dict()``, loader states, a step), read back by
+        :meth:`Checkpoint.read`. Written to a temporary file beside ``path``, then moved in
+        place: a reader never sees half a checkpoint.
+
+        Example::
+
+            model.save(f"ckpt/step-{step:08d}.pt", opt=opt.state_dict(), step=step)
+        """
+        taken = sorted(set(extra) & {"config", "state_dict", "version"})
+        if taken:
+            raise ArgumentError(f"save(..., {', '.join(taken)}=...): the checkpoint writes those keys itself; "
+                                "give the extra values other names")
+        ck = {"config": self.config(), "state_dict": self.state_dict(),
+              **({"version": str(version)} if version is not None else {}), **extra}
+        path = os.fspath(path)
+        tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # created new (O_EXCL), with the umask's mode
+        f = open(tmp, "xb")
+        try:
+            with f:
+                torch.save(ck, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path) -> "ReferenceRanker":
+        """The model a checkpoint holds (:meth:`Checkpoint.read`, then :meth:`Checkpoint.model`), on the CPU.
+
+        Example::
+
+            model = ReferenceRanker.load("ckpt/step-00001000.pt").to(device).eval()
+        """
+        return Checkpoint.read(path).model()
+
+    @staticmethod
+    def sizes_of(config: dict, where: str = "") -> dict:
+        """The sizes a model of keyword arguments ``config`` is built with (the constructor's
+        defaults where ``config`` has none): ``dim``, ``heads``, ``layers``, ``side_features``,
+        ``num_labels`` and the buckets, each checked to be an integer (else a
+        :class:`~userwise.pipelines.errors.UserwiseError` naming ``where`` and the key).
+
+        Example::
+
+            ReferenceRanker.sizes_of({"dim": 64})["heads"]   # 2, the default
+        """
+        defaults = {k: v.default for k, v in inspect.signature(ReferenceRanker.__init__).parameters.items()
+                    if v.default is not inspect.Parameter.empty}
+        out = {}
+        for k in ("dim", "heads", "layers", "side_features", "num_labels", "item_buckets", "side_buckets",
+                  "action_buckets"):
+            kind = "int>=1" if k in ("dim", "heads", "item_buckets", "side_buckets", "action_buckets") else "int>=0"
+            out[k] = expect(config.get(k, defaults[k]), kind, f"{where}{k}", error=UserwiseError)
+        return out
+
+    @staticmethod
+    def min_parameters(sizes: dict, encoder: str = "sample") -> int:
+        """A lower bound of the parameters of a model of ``sizes`` (:meth:`sizes_of`): its
+        embeddings, blocks, target projections and head (Python integers: never overflows), so
+        a size can be refused before the model is built.
+
+        Example::
+
+            ReferenceRanker.min_parameters(ReferenceRanker.sizes_of({"dim": 64, "layers": 4}))
+        """
+        d = sizes["dim"]
+        blocks = sizes["layers"] if encoder != "none" else 0
+        emb = (sizes["item_buckets"] + sizes["side_features"] * sizes["side_buckets"] + sizes["action_buckets"]) * d
+        return emb + blocks * (12 * d * d + 13 * d) + 3 * (d * d + d) + 2 * d * d + d + (d + 1) * sizes["num_labels"]
+
     @property
     def reach(self) -> int:
         """How many events before an event its ``"window"`` encoding can depend on."""
@@ -252,3 +355,90 @@ class ReferenceRanker(nn.Module):
         total = enc_lin + enc_att + tgt_att + other
         return {"encoder": enc_lin + enc_att, "encoder_attention": enc_att, "target_attention": tgt_att,
                 "other": other, "total": total, "impressions": n}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A :class:`ReferenceRanker` checkpoint as read from its file, before any model is built:
+    ``path``; ``config`` (the constructor's keyword arguments); ``state_dict`` (the weights, on
+    the CPU); ``version`` (the file's ``version``, else ``"sha256:"`` and the first 16 hex
+    digits of the file's sha256); ``extra`` (whatever else :meth:`ReferenceRanker.save` was
+    given); ``sizes`` (:meth:`ReferenceRanker.sizes_of` the config) and ``parameters`` (at
+    least this many: :meth:`ReferenceRanker.min_parameters`).
+
+    :meth:`read` refuses, each with one :class:`~userwise.pipelines.errors.UserwiseError`
+    line naming the file: a missing file, anything but plain tensors and values (read with
+    ``weights_only``), a file without ``config`` and ``state_dict``, a size that is not an
+    integer, and a config that makes a model of more parameters than its weights hold (a
+    damaged config is refused before minutes of building). :meth:`model` builds the model.
+
+    Example::
+
+        model.save("ck.pt", opt=opt.state_dict(), step=100)
+        ck = Checkpoint.read("ck.pt")
+        model, step = ck.model(), ck.extra["step"]      # model on the CPU
+    """
+
+    path: str
+    config: dict
+    state_dict: dict
+    version: str
+    extra: dict
+    sizes: dict
+    parameters: int
+
+    @classmethod
+    def read(cls, path) -> "Checkpoint":
+        """Read and check the checkpoint at ``path`` (see the class doc).
+
+        Example::
+
+            ck = Checkpoint.read("ckpt/step-00001000.pt")
+        """
+        path = os.fspath(path)
+        try:
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise UserwiseError(f"{path}: no such checkpoint") from None
+        except Exception as e:  # noqa: BLE001 (any unreadable file is the user's to fix)
+            raise UserwiseError(f"{path}: not a torch checkpoint of plain tensors and values "
+                                f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        key = ("state_dict" if "state_dict" in ck else "model") if isinstance(ck, dict) else None
+        sd = ck.get(key) if key else None
+        cfg = ck.get("config") if isinstance(ck, dict) else None
+        if not isinstance(cfg, dict) or not isinstance(sd, dict):
+            raise UserwiseError(f"{path}: a ReferenceRanker checkpoint holds {{'config': its keyword arguments, "
+                                "'state_dict': its weights}} (ReferenceRanker.save writes one)")
+        # its config is bounded by its weights (a model of more parameters than the file holds
+        # cannot load them), before the model is built
+        sizes = ReferenceRanker.sizes_of(cfg, f"{path}: config ")
+        held = sum(v.numel() for v in sd.values() if isinstance(v, torch.Tensor))
+        params = ReferenceRanker.min_parameters(sizes, cfg.get("encoder", "sample"))
+        if params > held:
+            raise UserwiseError(f"{path}: its config makes a model of at least {params:,} parameters, its weights "
+                                f"hold {held:,}: a config of another model")
+        version = ck.get("version")
+        if not version:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            version = "sha256:" + digest.hexdigest()[:16]
+        extra = {k: v for k, v in ck.items() if k not in ("config", key, "version")}
+        return cls(path=path, config=cfg, state_dict=sd, version=str(version), extra=extra, sizes=sizes,
+                   parameters=params)
+
+    def model(self) -> ReferenceRanker:
+        """The :class:`ReferenceRanker` of this checkpoint's config with its weights, on the CPU.
+
+        Example::
+
+            model = Checkpoint.read("ck.pt").model().to(device)
+        """
+        try:
+            model = ReferenceRanker(**self.config)
+            model.load_state_dict(self.state_dict)
+        except (TypeError, RuntimeError) as e:
+            raise UserwiseError(f"{self.path}: its config and weights do not make a ReferenceRanker "
+                                f"({' '.join(str(e).split())[:300]})") from None
+        return model

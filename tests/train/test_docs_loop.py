@@ -10,10 +10,10 @@ import shutil
 import socket
 import sys
 
-import torch
 import torch.multiprocessing as mp
 
 from userwise.pipelines.tools.shardgen import write_shard_set
+from userwise.pipelines.train import Checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,9 +56,10 @@ def test_the_documented_loop_trains_checkpoints_and_resumes(tmp_path):
     first = run(code, tmp_path, "first", SHARDS=shards, CKPT_DIR=tmp_path / "ck", STEPS=5, CKPT_EVERY=2)
     assert [s for s, _ in first] == [1, 2, 3, 4, 5]
     assert sorted(os.listdir(tmp_path / "ck")) == ["step-00000002.pt", "step-00000004.pt", "step-00000005.pt"]
-    ck = torch.load(tmp_path / "ck" / "step-00000002.pt", weights_only=False)
-    assert ck["step"] == 2 and len(ck["loader"]) == 2  # every rank's loader position: mid-epoch
-    assert [(s["epoch"], s["cursor"]) for s in ck["loader"]] == [(0, 2), (0, 2)]
+    ck = Checkpoint.read(tmp_path / "ck" / "step-00000002.pt")  # plain values: read with weights_only
+    assert ck.extra["step"] == 2 and len(ck.extra["loader"]) == 2  # every rank's loader position: mid-epoch
+    assert [(s["epoch"], s["cursor"]) for s in ck.extra["loader"]] == [(0, 2), (0, 2)]
+    assert ck.model().config()["encoder"] == "sample"  # the model replay --checkpoint serves
     # restart from the step-2 checkpoint alone: the resumed run continues the uninterrupted one, into
     # the next epoch
     os.makedirs(tmp_path / "ck2")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.train.helpers import synthetic
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.loader import expand_batch
-from userwise.pipelines.train import Fields, PointwiseBatch, ReferenceRanker, UserBatch
+from userwise.pipelines.train import Checkpoint, Fields, PointwiseBatch, ReferenceRanker, UserBatch
 
 
 def _model(encoder, dtype=torch.float64, seed=0, **kw):
@@ -156,6 +156,51 @@ def test_model_options_are_checked():
         ReferenceRanker(encoder="bidirectional")
     with pytest.raises(UserwiseError, match="side-info"):
         ReferenceRanker(side_features=3)(synthetic(0))
+
+
+@pytest.mark.parametrize("kw", [dict(encoder="sample"), dict(encoder="window", window=3, side_features=1),
+                                dict(encoder="none", num_labels=3, block=4)])
+def test_a_checkpoint_gives_back_the_model_it_saved(tmp_path, kw):
+    """model.save then Checkpoint.read / ReferenceRanker.load: the same config, weights and
+    logits; the extra values and the version come back; nothing is left beside the file."""
+    torch.manual_seed(3)
+    model = ReferenceRanker(dim=16, heads=2, layers=2, **{"block": 8, **kw})
+    ub = synthetic(1, samples=4, max_len=5, side=len(model.side))
+    path = tmp_path / "ck.pt"
+    model.save(path, version="v7", step=12, opt={"lr": 1e-3})
+    ck = Checkpoint.read(path)
+    assert ck.config == model.config() and ck.version == "v7" and ck.extra == {"step": 12, "opt": {"lr": 1e-3}}
+    assert ck.parameters <= sum(p.numel() for p in model.parameters())
+    for back in (ck.model(), ReferenceRanker.load(path)):
+        assert back.config() == model.config()
+        assert torch.equal(back(ub), model(ub))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+    model.save(path)  # no version: the file's sha256 names it
+    assert Checkpoint.read(path).version.startswith("sha256:") and Checkpoint.read(path).extra == {}
+    with pytest.raises(ArgumentError, match="state_dict"):
+        model.save(path, state_dict={})
+
+
+def test_a_damaged_checkpoint_is_one_error_before_a_model_is_built(tmp_path):
+    model = ReferenceRanker(dim=8, heads=2, layers=1)
+    torch.save({"config": {**model.config(), "layers": 100_000}, "state_dict": model.state_dict()}, tmp_path / "a.pt")
+    with pytest.raises(UserwiseError, match="its weights hold"):
+        Checkpoint.read(tmp_path / "a.pt")
+    torch.save({"config": {**model.config(), "dim": 2.5}, "state_dict": model.state_dict()}, tmp_path / "b.pt")
+    with pytest.raises(UserwiseError, match="config dim"):
+        Checkpoint.read(tmp_path / "b.pt")
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "c.pt")
+    with pytest.raises(UserwiseError, match="holds {'config'"):
+        Checkpoint.read(tmp_path / "c.pt")
+    (tmp_path / "d.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserwiseError, match="not a torch checkpoint"):
+        Checkpoint.read(tmp_path / "d.pt")
+    with pytest.raises(UserwiseError, match="no such checkpoint"):
+        Checkpoint.read(tmp_path / "e.pt")
+    torch.save({"config": {**model.config(), "num_labels": 1}, "state_dict": model.state_dict()}, tmp_path / "f.pt")
+    ck = Checkpoint.read(tmp_path / "f.pt")  # its weights hold enough, but they are another model's
+    with pytest.raises(UserwiseError, match="do not make a ReferenceRanker"):
+        ck.model()
 
 
 def test_an_empty_batch_gives_an_empty_output_and_a_zero_loss_with_gradients():
