@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import ranges
 from userwise.pipelines.train.masks import Intervals
 
@@ -122,4 +122,4 @@ def attend(q, k, v, iv: Intervals, impl: str = "blocks", **kw) -> torch.Tensor:
         return flex_attention(q, k, v, iv, **kw)
     if impl == "dense":
         return dense_attention(q, k, v, iv, **kw)
-    raise UserwiseError(f"attention={impl!r}: use one of {IMPLEMENTATIONS}")
+    raise ArgumentError(f"attention={impl!r}: use one of {IMPLEMENTATIONS}")

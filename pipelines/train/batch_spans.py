@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import request_spans, segment_ids
 
 __all__ = ["Spans", "spans"]
@@ -125,7 +125,7 @@ def spans(batch, *, overrides: str = "refuse", check: bool = True) -> Spans:
         sp.imp_begin[:3], sp.imp_end[:3]       # what the first three impressions see
     """
     if overrides not in ("refuse", "empty"):
-        raise UserwiseError(f"overrides={overrides!r}: use 'refuse' or 'empty'")
+        raise ArgumentError(f"overrides={overrides!r}: use 'refuse' or 'empty'")
     begin, end = batch["req_seq_begin"].long(), batch["req_seq_end"].long()
     if "req_snapshot" in batch:
         kind = batch["req_snapshot"].long()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import offsets, ranges
 from userwise.pipelines.train.batch_spans import Spans, spans
 from userwise.schemas.layout import field_name, input_name
@@ -62,7 +62,7 @@ class Fields:
         bits, the labels (lean builds; fat-row builds name their snapshot roles freely: pass
         :class:`Fields` yourself)."""
         if not roles or roles.get("fat"):
-            raise UserwiseError("the batch is from a fat-row build (or has no roles): its sequence fields are the "
+            raise ArgumentError("the batch is from a fat-row build (or has no roles): its sequence fields are the "
                                 "snapshot's roles; pass fields=Fields(item=(seq, imp), side=..., labels=...)")
         side = tuple((f"seq_{field_name(f)}", f"imp__{f}") for f in roles["item_features"])
         return cls(item=("seq_item", f"imp__{roles['item']}"), side=side, action="seq_action",
@@ -77,7 +77,7 @@ class Fields:
 
 def _need(batch, name):
     if name not in batch:
-        raise UserwiseError(f"the batch has no column {name!r}; pass fields=Fields(...) naming its columns")
+        raise ArgumentError(f"the batch has no column {name!r}; pass fields=Fields(...) naming its columns")
     return batch[name]
 
 
@@ -145,7 +145,7 @@ class UserBatch:
         elif history == "window":
             start = torch.maximum(sample_start, sp.imp_begin - int(reach))
         else:
-            raise UserwiseError(f"history={history!r}: use 'span', 'prefix' or 'window'")
+            raise ArgumentError(f"history={history!r}: use 'span', 'prefix' or 'window'")
         n = sp.imp_end - start
         idx = ranges(start, n)
         return PointwiseBatch(hist_item=self.ev_item[idx], hist_side=self.ev_side[idx], hist_action=self.ev_action[idx],
@@ -186,7 +186,7 @@ class PointwiseBatch:
         missing = [c for c in [f.item[0], f.item[1], *[x for p in f.side for x in p], *f.labels,
                                *([f.action] if f.action else [])] if c not in table.column_names]
         if missing:
-            raise UserwiseError(f"the rows have no column(s) {missing}; they have {table.column_names}")
+            raise ArgumentError(f"the rows have no column(s) {missing}; they have {table.column_names}")
 
         def lst(name):
             arr = table.column(name).combine_chunks()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import offsets, positions
 from userwise.pipelines.train.batch_spans import Spans
 
@@ -157,7 +157,7 @@ def _one_request_per_sample(sp: Spans) -> bool:
 
 def _split_or_refuse(sp: Spans, split: str, kernel: str):
     if split not in ("auto", "request", "refuse"):
-        raise UserwiseError(f"split={split!r}: use 'auto' (split only samples that need it: all of the batch), "
+        raise ArgumentError(f"split={split!r}: use 'auto' (split only samples that need it: all of the batch), "
                             "'request' or 'refuse'")
     if split != "request" and _one_request_per_sample(sp):
         return False
@@ -216,15 +216,15 @@ def hstu_varlen_layout(sp: Spans, *, mode: str = "func", encoder: str = "sample"
         return KernelLayout("hstu_attn_varlen_func", off.int(), int(n.max()) if n.numel() else 0, K.int(), ev, tg,
                             by_req, note, target_group_size=1, window_size=(-1, 0))
     if mode != "func":
-        raise UserwiseError(f"mode={mode!r}: use 'func' (per-row intervals) or 'targets' (num_targets)")
+        raise ArgumentError(f"mode={mode!r}: use 'func' (per-row intervals) or 'targets' (num_targets)")
     if n_func < 3 or n_func % 2 == 0:
-        raise UserwiseError(f"n_func={n_func}: the kernel takes an odd count >= 3 (HSTU_ARBITRARY_NFUNC)")
+        raise ArgumentError(f"n_func={n_func}: the kernel takes an odd count >= 3 (HSTU_ARBITRARY_NFUNC)")
     if self_attend and n_func < 5:
-        raise UserwiseError("self_attend=True needs n_func >= 5 (span and self are two intervals after [0, f0))")
+        raise ArgumentError("self_attend=True needs n_func >= 5 (span and self are two intervals after [0, f0))")
     if encoder not in ("sample", "window"):
-        raise UserwiseError(f"encoder={encoder!r}: the func layout encodes the sample ('sample' or 'window')")
+        raise ArgumentError(f"encoder={encoder!r}: the func layout encodes the sample ('sample' or 'window')")
     if encoder == "window" and (window is None or window < 1):
-        raise UserwiseError("encoder='window' needs window=W (events, >= 1)")
+        raise ArgumentError("encoder='window' needs window=W (events, >= 1)")
     off, K, ev, tg, seq, p = _per_sample(sp)
     total = seq.numel()
     hist = ev >= 0
@@ -306,7 +306,7 @@ def hstu_varlen_mask(cu_seqlens: torch.Tensor, *, num_targets: torch.Tensor | No
             m = m | ((c >= f[j][:, None]) & (c < f[j + 1][:, None]))
         return same & m
     if tuple(window_size) != (-1, 0):
-        raise UserwiseError("hstu_varlen_mask rebuilds the func and the causal (window_size=(-1, 0)) masks only")
+        raise ArgumentError("hstu_varlen_mask rebuilds the func and the causal (window_size=(-1, 0)) masks only")
     r = p[:, None]
     m = same & (c <= r)
     if num_targets is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.jagged import offsets as offsets_of
 from userwise.pipelines.jagged import positions, ranges, segment_ids
 from userwise.pipelines.train.batch_spans import Spans
@@ -153,7 +153,7 @@ def causal_over(offsets: torch.Tensor, window: int | None = None) -> Intervals:
         iv = causal_over(rs.offsets)            # causal within each request's copied span
     """
     if window is not None and int(window) < 1:
-        raise UserwiseError(f"window={window}: use a number of events >= 1 (or None for the whole sample)")
+        raise ArgumentError(f"window={window}: use a number of events >= 1 (or None for the whole sample)")
     offsets = offsets.long()
     total = int(offsets[-1]) if offsets.numel() else 0
     i = torch.arange(total, device=offsets.device)

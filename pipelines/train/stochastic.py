@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.jagged import offsets, pack, positions, request_spans
 from userwise.pipelines.loader import JaggedBatch
 
@@ -57,9 +57,9 @@ def keep_mask(seq_offsets: torch.Tensor, sample_id: torch.Tensor, *, max_len: in
               epoch: int = 0) -> torch.Tensor:
     """Per stored event, True where stochastic length keeps it (see module doc)."""
     if not 1.0 < alpha <= 2.0:
-        raise UserwiseError(f"alpha={alpha}: HSTU's stochastic length takes alpha in (1, 2]")
+        raise ArgumentError(f"alpha={alpha}: HSTU's stochastic length takes alpha in (1, 2]")
     if max_len < 1:
-        raise UserwiseError(f"max_len={max_len}: use the sequences' maximum length (e.g. max_seq_len)")
+        raise ArgumentError(f"max_len={max_len}: use the sequences' maximum length (e.g. max_seq_len)")
     so = seq_offsets.long()
     n = so[1:] - so[:-1]
     keep_len = int(max_len ** (alpha / 2))
@@ -103,7 +103,7 @@ def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, s
         batch = stochastic_length(batch, max_len=1000, alpha=1.6, seed=0, epoch=loader.epoch)
     """
     if "sample_id" not in batch:
-        raise UserwiseError("stochastic_length draws per sample_id; read the batch with the sample_id column")
+        raise ArgumentError("stochastic_length draws per sample_id; read the batch with the sample_id column")
     so = batch["seq.offsets"].long()
     keep = keep_mask(so, batch["sample_id"], max_len=max_len, alpha=alpha, seed=seed, epoch=epoch)
     if bool(keep.all()):
@@ -111,7 +111,7 @@ def stochastic_length(batch: JaggedBatch, *, max_len: int, alpha: float = 1.6, s
     cols = batch.meta["columns"]
     strings = [n for n, (g, t) in cols.items() if g == "seq" and f"{n}.soff" in batch]
     if strings:
-        raise UserwiseError(f"stochastic_length cannot sub-sample string sequence fields {strings}; "
+        raise ArgumentError(f"stochastic_length cannot sub-sample string sequence fields {strings}; "
                             "read the batch without them (columns=...)")
     csum = offsets(keep.long())  # kept events before each stored event
     new_so = csum[so]

@@ -258,3 +258,32 @@ def test_a_worker_that_dies_is_a_worker_error(shard_set, monkeypatch):
     e = worker_error(shard_set)
     assert e.worker == 0 and e.trace == "" and not e.user
     assert str(e) == e.error == "loader worker 0 exited (code 7) without sending its next batch"
+
+
+# -- bad arguments -------------------------------------------------------------------------
+
+def _bad_calls():
+    import numpy as np
+    import torch
+
+    from userwise.pipelines import serve, train
+    from userwise.pipelines.train import stochastic
+
+    t = torch.tensor
+    return {
+        "train.attend(impl=)": lambda: train.attend(None, None, None, None, impl="nope"),
+        "train.causal_over(window=0)": lambda: train.causal_over(t([0, 3]), window=0),
+        "train.spans(overrides=)": lambda: train.spans({}, overrides="nope"),
+        "stochastic.keep_mask(alpha=3)": lambda: stochastic.keep_mask(t([0, 2]), t([1]), max_len=8, alpha=3.0, seed=0),
+        "serve.nodes_of(nodes=0)": lambda: serve.nodes_of(np.arange(3), 0),
+        "serve.Events(float items)": lambda: serve.Events(item=t([1.5]), side=t([[1]]), action=t([1])),
+        "serve.Events(ragged)": lambda: serve.Events(item=t([1, 2]), side=t([[1]]), action=t([1, 2])),
+    }
+
+
+@pytest.mark.parametrize("call", sorted(_bad_calls()))
+def test_a_bad_argument_of_train_or_serve_is_an_argument_error(call):
+    """Train and serve raise ArgumentError (a UserwiseError and a ValueError) for a bad
+    argument, as the loader does."""
+    with pytest.raises(errors.ArgumentError):
+        _bad_calls()[call]()
