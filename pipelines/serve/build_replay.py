@@ -272,7 +272,7 @@ def replay(shards, *, serving_nodes: int = 1, checkpoint=None, encoder: str = "s
         try:
             KVStore(page_size=page_size, device_bytes=device_bytes, host_bytes=host, device=dev)
         except ArgumentError as e:
-            raise UserwiseError(f"{flags}: {e}") from None
+            raise ArgumentError(f"{flags}: {e}") from None
     trace = shards if isinstance(shards, Trace) else read_trace(shards, serving_nodes=serving_nodes,
                                                                 max_seq_len=max_seq_len, verify=verify)
     model, version, desc = _model(trace, checkpoint=checkpoint, encoder=encoder, window=window, dim=dim, heads=heads,
@@ -329,7 +329,7 @@ def _device(device) -> torch.device:
         raise UserwiseError(f"device={device!r} (--device): no CUDA device here; use --device cpu, or leave it out "
                             "(CUDA when there is one)")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UserwiseError(f"device={device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+        raise ArgumentError(f"device={device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
@@ -379,7 +379,7 @@ def _check_model(sz: dict, *, encoder: str, trace: Trace, dtype: str, device: to
     available where it runs; returns its parameters (a lower bound)."""
     d, layers = sz["dim"], sz["layers"]
     if layers > MAX_LAYERS:
-        raise UserwiseError(f"{what}: {layers:,} layers; replay builds models of at most {MAX_LAYERS:,} layers "
+        raise ArgumentError(f"{what}: {layers:,} layers; replay builds models of at most {MAX_LAYERS:,} layers "
                             "(--layers)")
     params = ReferenceRanker.min_parameters(sz, encoder)
     elem = torch.finfo(DTYPES[dtype]).bits // 8
@@ -505,7 +505,7 @@ def _bytes_of(mib, flag: str) -> int:
     """A ``--*-mb`` flag's MiB as bytes: a finite number >= 0, else one error line."""
     b = float(mib) * MB
     if not math.isfinite(b) or b < 0:
-        raise UserwiseError(f"{flag} {mib}: give a number of MiB >= 0")
+        raise ArgumentError(f"{flag} {mib}: give a number of MiB >= 0")
     return int(b)
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from userwise.pipelines.errors import UserwiseError
+from userwise.pipelines.errors import ArgumentError
 from userwise.pipelines.serve.incremental import Events
 from userwise.schemas.hashing import CHAIN_SEED, chain_checkpoints, event_hashes, rolling_hashes
 
@@ -67,14 +67,14 @@ class Chain:
         cps = np.asarray(self.checkpoints, dtype=np.int64)
         object.__setattr__(self, "checkpoints", cps)
         if self.block < 1 or self.length < 0 or len(cps) != self.length // self.block:
-            raise UserwiseError(f"a chain of {self.length} events with block {self.block} holds "
+            raise ArgumentError(f"a chain of {self.length} events with block {self.block} holds "
                                 f"{self.length // max(self.block, 1)} checkpoints, not {len(cps)}")
         if self.hashes is not None:
             h = np.asarray(self.hashes, dtype=np.int64)
             object.__setattr__(self, "hashes", h)
             if h.shape != (self.length,) or (self.length and int(h[-1]) != int(self.end)) or \
                     not np.array_equal(h[self.block - 1::self.block], cps):
-                raise UserwiseError(f"a chain of {self.length} events: its hashes {h.shape} are not the ones its "
+                raise ArgumentError(f"a chain of {self.length} events: its hashes {h.shape} are not the ones its "
                                     "checkpoints and end were taken from; make it with chain_of or Chain.from_hashes")
 
     @classmethod
@@ -88,9 +88,9 @@ class Chain:
         """
         h = np.asarray(hashes, dtype=np.int64)
         if h.ndim != 1:
-            raise UserwiseError(f"Chain.from_hashes: hashes must be [n], got shape {h.shape}")
+            raise ArgumentError(f"Chain.from_hashes: hashes must be [n], got shape {h.shape}")
         if block < 1:
-            raise UserwiseError(f"block={block}: use a number of events >= 1 (the cache's page size)")
+            raise ArgumentError(f"block={block}: use a number of events >= 1 (the cache's page size)")
         cps, end = chain_checkpoints(h, len(h), block)
         return cls(version, block, len(h), cps, end, h)
 
@@ -112,7 +112,7 @@ class Chain:
         """``h_{n-1}`` (42 at 0) at a count this chain :meth:`verifies`."""
         n = int(n)
         if not self.verifies(n):
-            raise UserwiseError(f"a chain of {self.length} events (block {self.block}) holds no hash at {n}")
+            raise ArgumentError(f"a chain of {self.length} events (block {self.block}) holds no hash at {n}")
         if n == 0:
             return CHAIN_SEED
         if n == self.length:
@@ -164,14 +164,14 @@ def chains_of(fields, offsets, *, block: int, versions) -> list[Chain]:
     fields = np.asarray(fields, dtype=np.int64)
     off = np.asarray(offsets, dtype=np.int64)
     if fields.ndim != 2 or not len(off) or off[0] != 0 or off[-1] != len(fields) or (np.diff(off) < 0).any():
-        raise UserwiseError(f"chains_of: fields must be [T, k] and offsets [S+1] from 0 to T={len(fields)} "
+        raise ArgumentError(f"chains_of: fields must be [T, k] and offsets [S+1] from 0 to T={len(fields)} "
                             "(non-decreasing)")
     if block < 1:
-        raise UserwiseError(f"block={block}: use a number of events >= 1 (the cache's page size)")
+        raise ArgumentError(f"block={block}: use a number of events >= 1 (the cache's page size)")
     n_seq = len(off) - 1
     if isinstance(versions, (list, tuple, np.ndarray)):
         if len(versions) != n_seq:
-            raise UserwiseError(f"chains_of: {len(versions)} versions for {n_seq} sequences")
+            raise ArgumentError(f"chains_of: {len(versions)} versions for {n_seq} sequences")
     else:
         versions = [versions] * n_seq
     e = event_hashes(fields) if fields.shape[1] else np.full(len(fields), CHAIN_SEED, dtype=np.int64)
@@ -198,7 +198,7 @@ def longest_valid_prefix(held: Chain, current: Chain) -> int:
         state = state.truncate(n)   # then extend with current_events[n:]
     """
     if held.block != current.block:
-        raise UserwiseError(f"chains of block {held.block} and {current.block}: compare chains of the cache's one "
+        raise ArgumentError(f"chains of block {held.block} and {current.block}: compare chains of the cache's one "
                             "page size")
     if held.version != current.version:
         return 0

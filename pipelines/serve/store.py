@@ -471,7 +471,7 @@ class KVStore:
             self._page = (shape, p.dtype, page_bytes)
         for q in state.pages:
             if (int(q.shape[0]), self.page_size, int(q.shape[2])) != self._page[0] or q.dtype != self._page[1]:
-                raise UserwiseError(f"a state of pages {[int(q.shape[0]), int(q.shape[2])]} {q.dtype} for a store of "
+                raise ArgumentError(f"a state of pages {[int(q.shape[0]), int(q.shape[2])]} {q.dtype} for a store of "
                                     f"pages {list(self._page[0])} {self._page[1]}: one store serves one model")
 
     def _decref(self, tier: str, slots):
@@ -670,7 +670,7 @@ class KVStore:
         if not isinstance(chain, Chain):
             raise ArgumentError(f"acquire: chain must be a Chain (chain_of(...)), got {type(chain).__name__}")
         if chain.block != self.page_size:
-            raise UserwiseError(f"a chain of block {chain.block} for a store of page size {self.page_size}: "
+            raise ArgumentError(f"a chain of block {chain.block} for a store of page size {self.page_size}: "
                                 "make chains with block=page_size")
         L = self._check_len(max_seq_len, "acquire")
         with self._lock:
@@ -772,7 +772,7 @@ class KVStore:
         if not isinstance(chain, Chain) or not isinstance(state, KVState):
             raise ArgumentError(f"put: a Chain and a KVState, got {type(chain).__name__} and {type(state).__name__}")
         if state.page_size != self.page_size or chain.block != self.page_size or chain.length != state.length:
-            raise UserwiseError(f"put: a state of {state.length} events in pages of {state.page_size} with a chain of "
+            raise ArgumentError(f"put: a state of {state.length} events in pages of {state.page_size} with a chain of "
                                 f"{chain.length} events in blocks of {chain.block}, for a store of page size "
                                 f"{self.page_size}: the chain must hash the state's events, both in the store's pages")
         self._check_len(state.max_seq_len, "put")

@@ -278,7 +278,7 @@ def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len
     users = t.column("user").to_pylist()
     distinct = len(set(users))
     if serving_nodes > max(distinct, 1):
-        raise UserwiseError(f"serving_nodes={serving_nodes}: more serving nodes than the {distinct} users of "
+        raise ArgumentError(f"serving_nodes={serving_nodes}: more serving nodes than the {distinct} users of "
                             f"{root}; a node serves whole users, so give at most {max(distinct, 1)}")
     item, n_ev = _flat(t, fields.item[0])
     side = [_flat(t, s)[0] for s, _ in fields.side]
@@ -308,7 +308,7 @@ def _trace(t: pa.Table, *, root, fields: Fields, serving_nodes: int, max_seq_len
     longest = int((end - begin).max()) if len(end) else 1
     L = int(max_seq_len) if max_seq_len is not None else max(longest, 1)
     if L < 1:
-        raise UserwiseError(f"max_seq_len={max_seq_len}: use the L the model was trained with (>= 1)")
+        raise ArgumentError(f"max_seq_len={max_seq_len}: use the L the model was trained with (>= 1)")
     bad = np.flatnonzero(begin != np.maximum(0, end - L))
     if len(bad):
         r = int(bad[0])

@@ -86,7 +86,7 @@ class ReferenceRanker(nn.Module):
     :meth:`for_batch` takes ``side_features`` and ``num_labels`` from a batch (the build's
     roles) and returns the model on the batch's device; built directly, they default to the
     synthetic log's 2 and 2, and a batch of other roles is refused with a
-    :class:`~userwise.pipelines.errors.UserwiseError`.
+    :class:`~userwise.pipelines.errors.ArgumentError`.
 
     Example::
 
@@ -101,13 +101,13 @@ class ReferenceRanker(nn.Module):
                  encoder: str = "sample", window: int | None = None, attention: str = "blocks", block: int = 64):
         super().__init__()
         if encoder not in ENCODERS:
-            raise UserwiseError(f"encoder={encoder!r}: use one of {ENCODERS}")
+            raise ArgumentError(f"encoder={encoder!r}: use one of {ENCODERS}")
         if encoder == "window" and (window is None or int(window) < 1):
-            raise UserwiseError("encoder='window' needs window=W (events, >= 1), e.g. the build's max_seq_len")
+            raise ArgumentError("encoder='window' needs window=W (events, >= 1), e.g. the build's max_seq_len")
         if attention not in IMPLEMENTATIONS:
-            raise UserwiseError(f"attention={attention!r}: use one of {IMPLEMENTATIONS}")
+            raise ArgumentError(f"attention={attention!r}: use one of {IMPLEMENTATIONS}")
         if dim % heads:
-            raise UserwiseError(f"dim={dim} is not a multiple of heads={heads}")
+            raise ArgumentError(f"dim={dim} is not a multiple of heads={heads}")
         self.dim, self.heads, self.num_layers = dim, heads, layers
         self.encoder = encoder
         self.window = int(window) if encoder == "window" else None  # only the window encoder has one
@@ -136,7 +136,7 @@ class ReferenceRanker(nn.Module):
         """
         given = sorted(set(kw) & {"side_features", "num_labels"})
         if given:
-            raise UserwiseError(f"ReferenceRanker.for_batch takes {', '.join(given)} from the batch; pass fields= "
+            raise ArgumentError(f"ReferenceRanker.for_batch takes {', '.join(given)} from the batch; pass fields= "
                                 "to name its columns, or build ReferenceRanker(...) yourself")
         if isinstance(batch, UserBatch):
             side, labels, device = batch.ev_side.shape[1], batch.labels.shape[1], batch.ev_item.device
@@ -160,7 +160,7 @@ class ReferenceRanker(nn.Module):
         """
         given = sorted(set(kw) & {"side_features", "num_labels"})
         if given:
-            raise UserwiseError(f"ReferenceRanker.for_roles takes {', '.join(given)} from the roles; pass fields= "
+            raise ArgumentError(f"ReferenceRanker.for_roles takes {', '.join(given)} from the roles; pass fields= "
                                 "to name the columns, or build ReferenceRanker(...) yourself")
         fields = fields or Fields.from_roles(roles or {})
         return cls(side_features=len(fields.side), num_labels=len(fields.labels), **kw)
@@ -262,7 +262,7 @@ class ReferenceRanker(nn.Module):
     def _ids(self, item, side):
         x = self.item(torch.remainder(item, self.item_buckets))
         if side.shape[1] != len(self.side):
-            raise UserwiseError(f"the batch has {side.shape[1]} side-info features, the model {len(self.side)}; "
+            raise ArgumentError(f"the batch has {side.shape[1]} side-info features, the model {len(self.side)}; "
                                 "build the model with ReferenceRanker.for_batch(batch) (or side_features=)")
         for i, emb in enumerate(self.side):
             x = x + emb(torch.remainder(side[:, i], self.side_buckets))
@@ -319,7 +319,7 @@ class ReferenceRanker(nn.Module):
         """Mean binary cross-entropy over impressions and labels (0 with the graph kept for an
         empty batch, so every rank of a DDP job still runs its backward)."""
         if logits.shape[-1] != labels.shape[-1]:
-            raise UserwiseError(f"the batch has {labels.shape[-1]} labels, the model {logits.shape[-1]} logits per "
+            raise ArgumentError(f"the batch has {labels.shape[-1]} labels, the model {logits.shape[-1]} logits per "
                                 "impression; build the model with ReferenceRanker.for_batch(batch) (or num_labels=)")
         if logits.numel() == 0:
             return logits.sum() * 0.0

@@ -278,6 +278,9 @@ def _bad_calls():
         "serve.nodes_of(nodes=0)": lambda: serve.nodes_of(np.arange(3), 0),
         "serve.Events(float items)": lambda: serve.Events(item=t([1.5]), side=t([[1]]), action=t([1])),
         "serve.Events(ragged)": lambda: serve.Events(item=t([1, 2]), side=t([[1]]), action=t([1, 2])),
+        "serve.Chain.from_hashes(block=0)": lambda: serve.Chain.from_hashes(np.zeros(3, np.int64), block=0, version=1),
+        "train.ReferenceRanker(dim=5, heads=2)": lambda: train.ReferenceRanker(dim=5, heads=2),
+        "train.ReferenceRanker(encoder=)": lambda: train.ReferenceRanker(encoder="nope"),
     }
 
 
