@@ -20,8 +20,10 @@ Below the steps: :mod:`~userwise.pipelines.runtime` (storage, progress, the Spar
 session, Delta's jars, Delta I/O, shipping the project to executors) and
 :mod:`~userwise.pipelines.records` (the build folder's records: build.json, the
 complete state, writer locks, published records). Above them:
-:mod:`~userwise.pipelines.manage` (backfill, forget: both steps at once) and
-:mod:`~userwise.pipelines.tools` (synthetic logs and samples, local stores, the demo).
+:mod:`~userwise.pipelines.manage` (backfill, forget: both steps at once),
+:mod:`~userwise.pipelines.tools` (synthetic logs and samples, local stores, the demo) and
+:mod:`~userwise.pipelines.api` (``build``, ``expand``, ``preshard``, ``publish`` and ``stage`` as
+keyword-only Python functions in the command line's words, which the commands call).
 The modules every part shares: ``errors`` (every error a user can act on and the exit
 codes, below every other module, ``schemas`` included), ``console`` (a command's report on
 stdout, text or JSON), ``jagged`` (the jagged-array

@@ -16,9 +16,8 @@ help text and one placeholder:
 | M, the last days cut into incremental windows | ``--incremental-days M`` |
 | N, days per incremental window | ``--window-days N`` |
 
-The older names of some of these (``--output`` for ``--build-dir``, ``--samples``,
-``--dest``, ``--pretrain-days``, ...: :data:`OLD_NAMES`) still work for one release: they are
-not shown in ``--help`` and print a warning naming the new flag.
+The library's Python functions (:mod:`userwise.pipelines.api`) take the same names as
+keyword arguments (``build_dir``, ``shards``, ``staged``, ``as_of``, ``incremental_days``, ...).
 
 Every command takes ``--json`` (its report as one JSON object on stdout; default: text) and
 ``--quiet`` (no progress on stderr). Errors a user can fix print one line (``error: ...``) and
@@ -127,37 +126,6 @@ def _conf(s: str) -> tuple[str, str]:
     return k.strip(), v
 
 
-# -- old names ---------------------------------------------------------------------------
-# (command, old flag) -> the flag that replaced it. Old names still parse for one release,
-# hidden from --help, with a warning on stderr naming the new flag.
-OLD_NAMES = {
-    **{(c, "--output"): "--build-dir" for c in ("build", "requests", "history", "window", "pretrain", "backfill",
-                                                "forget", "publish")},
-    ("expand", "--samples"): "--build-dir", ("preshard", "--samples"): "--build-dir",
-    ("preshard", "--output"): "--shards", ("expand", "--output"): "--expanded",
-    ("stage", "--dest"): "--staged", ("diagnose", "--shards"): "--staged",
-    ("pretrain", "--date"): "--as-of",
-    **{(c, "--pretrain-days"): "--incremental-days" for c in ("build", "pretrain", "backfill")},
-}
-
-
-class _Flag(argparse._StoreAction):
-    """A flag with hidden old names: ``--help`` shows its first option string only; an old
-    name still sets it, with a warning on stderr naming the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string and option_string != self.option_strings[0]:
-            print(f"[userwise] warning: {option_string} is an old name of {self.option_strings[0]} here; use "
-                  f"{self.option_strings[0]} (the old name goes in the next release)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def _flag(p, name: str, **kw):
-    """Add ``name`` with the old names :data:`OLD_NAMES` lists for this command."""
-    old = [o for (cmd, o), new in OLD_NAMES.items() if cmd == p.prog.split()[-1] and new == name]
-    p.add_argument(name, *old, action=_Flag, **kw)
-
-
 # -- the shared flags (one name per concept) -----------------------------------------
 INPUT_HELP = ("the impression log: a Delta table, a Parquet file, a folder of Parquet files (hive partitions "
               "or not), a glob, or a comma-separated list of these; local or any URL Spark reads")
@@ -179,7 +147,7 @@ def _input(p, required=True, actions=True):
 
 
 def _build_dir(p):
-    _flag(p, "--build-dir", dest="build_dir", required=True, metavar="D", help=BUILD_DIR_HELP)
+    p.add_argument("--build-dir", dest="build_dir", required=True, metavar="D", help=BUILD_DIR_HELP)
 
 
 SHARDS_HELP = "a shard set's root (node=K/ folders and manifest.json): a local path or a store's URL"
@@ -189,16 +157,16 @@ def _shards(p, required=True, note="", append=False):
     if append:
         p.add_argument("--shards", action="append", metavar="S", help=SHARDS_HELP + note)
     else:
-        _flag(p, "--shards", dest="shards", required=required, metavar="S", help=SHARDS_HELP + note)
+        p.add_argument("--shards", dest="shards", required=required, metavar="S", help=SHARDS_HELP + note)
 
 
 def _staged(p):
-    _flag(p, "--staged", dest="staged", required=True, metavar="DIR",
+    p.add_argument("--staged", dest="staged", required=True, metavar="DIR",
           help="one node's staged copy on local disk (what `userwise stage` writes)")
 
 
 def _incremental_days(p, required=True, default=None):
-    _flag(p, "--incremental-days", dest="incremental_days", type=_days0, required=required, default=default,
+    p.add_argument("--incremental-days", dest="incremental_days", type=_days0, required=required, default=default,
           metavar="M", help="M: the last M days before as-of are cut into incremental windows; "
                             "older requests are the pretrain samples")
 
@@ -210,11 +178,11 @@ def _window_days(p, default=None, note=""):
 
 
 def _date_flag(p, required=True, note=""):
-    _flag(p, "--date", required=required, type=_date, metavar="YYYY-MM-DD", help="the UTC day to process" + note)
+    p.add_argument("--date", required=required, type=_date, metavar="YYYY-MM-DD", help="the UTC day to process" + note)
 
 
 def _as_of(p, required=True):
-    _flag(p, "--as-of", dest="as_of", required=required, type=_date, metavar="T",
+    p.add_argument("--as-of", dest="as_of", required=required, type=_date, metavar="T",
           help="T, the exclusive UTC cut-off date: requests before T are built, later ones wait for a later "
                "build; pretrain samples hold the requests before T minus M days")
 
@@ -293,7 +261,7 @@ def _pretrain_args(p):
 
 def _expand_args(p):
     _build_dir(p)
-    _flag(p, "--expanded", dest="expanded", required=True, metavar="P",
+    p.add_argument("--expanded", dest="expanded", required=True, metavar="P",
           help="the Parquet folder for the point-wise rows")
     p.add_argument("--max-seq-len", type=_pos_int, metavar="L'", help="L' <= the build's L (default: the build's L)")
     p.add_argument("--kind", choices=["incremental", "pretrain"], help="only this kind (default: both)")
@@ -436,9 +404,9 @@ COMMANDS = {
                  "what a sample of rows would quarantine; writes nothing",
                  _validate_args, "userwise.pipelines.builder.validate:cli"),
     "build": ("build requests, history, samples and quarantine for every day before as-of (Spark + Delta)",
-              _build_args, "userwise.pipelines.builder.build:cli"),
+              _build_args, "userwise.pipelines.api.handlers:build"),
     "expand": ("expand user-wise samples back to point-wise rows (the lossless round trip)",
-               _expand_args, "userwise.pipelines.builder.expand:cli"),
+               _expand_args, "userwise.pipelines.api.handlers:expand"),
     "requests": ("daily job: build the requests (and quarantine) of one date",
                  _day_args, "userwise.pipelines.builder.daily:requests_cli"),
     "history": ("daily job: MERGE one date's actions into the user history",
@@ -448,11 +416,11 @@ COMMANDS = {
     "pretrain": ("job: build the pretrain samples (requests before as-of minus M days)",
                  _pretrain_args, "userwise.pipelines.builder.daily:pretrain_cli"),
     "preshard": ("pre-shard samples into balanced per-node Parquet shard sets with a manifest",
-                 _preshard_args, "userwise.pipelines.shards.preshard:cli"),
+                 _preshard_args, "userwise.pipelines.api.handlers:preshard"),
     "publish": ("put a pre-sharded set in place and mark the day (or pretrain set) published, record last",
-                _publish_args, "userwise.pipelines.shards.publish:cli"),
+                _publish_args, "userwise.pipelines.api.handlers:publish"),
     "stage": ("copy one node's shards to local disk, verified and resumable",
-              _stage_args, "userwise.pipelines.shards.stage:cli"),
+              _stage_args, "userwise.pipelines.api.handlers:stage"),
     "diagnose": ("three-step bottleneck test of the loader on one node's staged shards",
                  _diagnose_args, "userwise.pipelines.loader.diagnose:cli"),
     "replay": ("serve a shard set's requests through the K/V cache and a full recompute: equal logits, hit rates, "
@@ -471,11 +439,6 @@ COMMANDS = {
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Help with every flag's default (where it has one) and ``(required)`` on required flags."""
-
-    def _format_action_invocation(self, action):
-        if isinstance(action, _Flag) and len(action.option_strings) > 1:  # old names stay hidden
-            return f"{action.option_strings[0]} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
-        return super()._format_action_invocation(action)
 
     def _get_help_string(self, action):
         h = action.help or ""

@@ -13,11 +13,9 @@ the same functions, so a range run and the daily jobs give the same tables.
 from __future__ import annotations
 
 import datetime as dt
-import json
 
 from userwise.pipelines import config as C
-from userwise.pipelines import console
-from userwise.pipelines.builder import inputs, validate
+from userwise.pipelines.builder import inputs
 from userwise.pipelines.builder.history import History
 from userwise.pipelines.builder.steps import as_date, ingest_range, log, log_set, set_samples
 from userwise.pipelines.errors import UserwiseError
@@ -119,21 +117,3 @@ def report_text(rep: dict) -> str:
                      f"null={rep['null_snapshots']}")
     lines.append(f"bytes in / out      {rep['bytes_in']} / {rep['bytes_out']}  ratio {rep['storage_ratio']}")
     return "\n".join(lines)
-
-
-def cli(args) -> int:
-    from userwise.pipelines.runtime.spark import get_spark
-
-    cfg = C.load(args.config)
-    validate.front_door(cfg, args.input, args.actions)  # the same refusals as `userwise validate`, before Spark
-    spark = get_spark(master=args.master)
-    rep = build(spark, cfg, args.input, args.build_dir, args.as_of, args.incremental_days, args.window_days,
-                args.actions)
-    console.emit(rep, report_text)
-    if args.report:  # a local path or a store's URL
-        storage.write_bytes(args.report, json.dumps(rep, indent=1, sort_keys=True, default=str).encode())
-    if not rep["reconciled"]:
-        raise UserwiseError("counts do not reconcile: rows read != in samples + quarantined + after as-of "
-                            f"({json.dumps({k: rep[k] for k in ('rows_read', 'impressions_in_samples', 'after_as_of')})})")
-    return 0
-

@@ -26,9 +26,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
-from userwise.pipelines import console
 from userwise.pipelines.errors import UserwiseError
-from userwise.pipelines.records import build_record, state
+from userwise.pipelines.records import state
 from userwise.pipelines.runtime import delta_io, storage
 from userwise.pipelines.runtime.spark import session_conf
 from userwise.schemas import IMP, OVR, REQ, SEQ
@@ -163,20 +162,3 @@ def read_samples(spark, build_dir: str, kind: str | None = None) -> DataFrame:
     if kind:
         df = df.where(F.col("kind") == kind)
     return df
-
-
-def cli(args) -> int:
-    from userwise.pipelines.runtime.spark import get_spark
-
-    build_dir = args.build_dir
-    if build_dir.rstrip("/").rsplit("/", 1)[-1] == "samples" and not storage.exists(build_record.path(build_dir)):
-        build_dir = build_dir.rstrip("/").rsplit("/", 1)[0]
-    cfg, layout, _ = build_record.load(build_dir)
-    if args.max_seq_len and args.max_seq_len > cfg.max_seq_len:
-        raise UserwiseError(f"--max-seq-len {args.max_seq_len} is larger than the build's max_seq_len "
-                            f"{cfg.max_seq_len}: the samples only hold the last L events per request")
-    spark = get_spark(master=args.master)
-    df = expand_frame(cfg, layout, read_samples(spark, build_dir, args.kind), args.max_seq_len)
-    n = write(spark, df, layout, args.expanded)
-    console.emit({"impressions": n, "expanded": args.expanded}, f"expanded {n} impressions into {args.expanded}")
-    return 0

@@ -31,7 +31,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from userwise.pipelines import console
 from userwise.pipelines.errors import InputError, UserwiseError, expect
 from userwise.pipelines.records import build_record, state
 from userwise.pipelines.runtime import delta_io, storage
@@ -442,17 +441,3 @@ def format_report(rep: dict) -> str:
                      f"rank cost {rc.min()}..{rc.max()} (max dev {s['max_dev'] * 100:.2f}% of mean, "
                      f"bound ok: {s['within_bound']}), rank rows {rr.min()}..{rr.max()}")
     return "\n".join(lines)
-
-
-def cli(args) -> int:
-    from userwise.pipelines.runtime.spark import get_spark
-
-    spark = get_spark(args.master, app="userwise-preshard")
-    m = preshard(spark, build_dir=args.build_dir, shards=args.shards, nodes=args.nodes,
-                 ranks_per_node=args.ranks_per_node, kind=args.kind, window=args.window,
-                 target_shard_mb=args.target_shard_mb, row_group_rows=args.row_group_rows,
-                 row_group_mb=args.row_group_mb, compression=args.compression,
-                 layout=args.layout, seed=args.seed, window_days=args.window_days,
-                 dictionary=args.dictionary)
-    console.emit(m["_report"], format_report)
-    return 0

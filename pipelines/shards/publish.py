@@ -46,7 +46,6 @@ import os
 
 import pyarrow.fs as pafs
 
-from userwise.pipelines import console
 from userwise.pipelines.errors import ShardError, UserwiseError
 from userwise.pipelines.records import published, state
 from userwise.pipelines.records.state import write_json
@@ -186,13 +185,3 @@ def publish(build_dir: str, *, kind: str = "incremental", date=None, as_of=None,
         write_json(storage.join(set_root(shards, key), MARKER), rec)
     published.write(build_dir, kind, key_date, rec)  # last: the day counts as published from here
     return rec
-
-
-def cli(args) -> int:
-    """``userwise publish``: the handler (``jobs/publish.py`` under spark-submit, the daily DAG)."""
-    rec = publish(args.build_dir, kind=args.kind, date=args.date, as_of=args.as_of, shards=args.shards,
-                  window_days=args.window_days)
-    what = f"{rec['kind']} {rec.get('date') or rec.get('as_of')}"
-    console.emit(rec, f"published {what}" + (f": {rec['shards']['rows']} samples at {rec['shards']['root']}"
-                                              if rec["shards"] else " (tables only, no shards)"))
-    return 0

@@ -58,7 +58,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import pyarrow.fs as pafs
 
-from userwise.pipelines import console
 from userwise.pipelines.errors import ArgumentError, ShardError, StoreGone, short
 from userwise.pipelines.records.writer_lock import FolderLock
 from userwise.pipelines.runtime import progress
@@ -548,10 +547,3 @@ def report_text(rep: dict) -> str:
     return (f"staged node {rep['node']} into {rep['staged']}: {rep['files']} files, {rep['copied']} copied "
             f"({rep['resumed']} resumed), {rep['skipped']} already there, {rep['bytes'] / 1e6:.1f} MB in "
             f"{rep['seconds']:.1f} s ({rep['mb_per_s']:.1f} MB/s)")
-
-
-def cli(args) -> int:
-    rep = stage(args.shards, args.node, args.staged, workers=args.workers, limit_mbps=args.limit_mbps,
-                range_mb=args.range_mb, retries=args.retries)
-    console.emit(rep, report_text)
-    return 0

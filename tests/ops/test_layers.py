@@ -16,7 +16,8 @@ Layers, lowest first (a module may import its own layer's package and the layers
 7. ``pipelines.train``: the trainer's side
 8. ``pipelines.manage``: backfill and forget, over both steps
 9. ``pipelines.tools``: synthetic logs and samples, local stores
-10. ``pipelines.cli`` and the demo (``tools.demo``), which run the commands
+10. ``pipelines.api``: the Spark side's commands as Python functions, and the commands' handlers
+11. ``pipelines.cli`` and the demo (``tools.demo``), which run the commands
 
 Inside the loader, its subpackages are ordered the same way (:data:`LOADER`): ``logs``, then
 ``io`` (the reads), ``planning`` (the plans: shard metadata from ``io``), ``assembly`` (batches
@@ -46,12 +47,14 @@ LAYERS = [
     ["pipelines.serve"],
     ["pipelines.manage"],
     ["pipelines.tools"],
+    ["pipelines.api"],
     ["pipelines.cli", "pipelines.tools.demo", "pipelines"],
 ]
 # What a trainer imports without a JVM (schemas.core imports pyspark only inside to_spark()).
 NEVER_PYSPARK = ("pipelines.loader", "pipelines.jagged", "pipelines.train", "pipelines.records", "pipelines.shards.stage",
                  "pipelines.shards.manifest", "pipelines.shards.gds", "pipelines.shards.balance",
-                 "pipelines.shards.publish", "pipelines.config", "pipelines.errors")
+                 "pipelines.shards.publish", "pipelines.config", "pipelines.errors",
+                 "pipelines.serve")
 
 
 # The loader's parts, lowest first: a loader module imports its own part and those before it.

@@ -132,9 +132,9 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
         import sys
         from userwise.pipelines import cli
         from userwise.pipelines.shards import stage
-        def boom(args):
+        def boom(*args, **kw):
             raise ZeroDivisionError("a bug")
-        stage.cli = boom
+        stage.stage = boom
         sys.exit(cli.main(sys.argv[1:]))
     """)
     args = ("stage", "--shards", "s", "--node", "0", "--staged", str(tmp_path))
