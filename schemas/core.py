@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pyspark.sql import types as T
 
 from userwise.pipelines.errors import SchemaError
 
@@ -215,7 +218,7 @@ def arrow_to_spark(t: pa.DataType):
     raise SchemaError(f"no Spark type for Arrow type {t}")
 
 
-def spark_to_arrow(dt) -> pa.DataType:
+def spark_to_arrow(dt: T.DataType) -> pa.DataType:
     """Inverse of :func:`arrow_to_spark` (timestamps come back as UTC micros).
 
     Example::

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -112,10 +113,13 @@ class UserwiseDataset(IterableDataset):
         loader = UserwiseLoader(ds, num_workers=4)
     """
 
-    def __init__(self, root, *, node=None, sets=None, batch_size=64, token_budget=None, rank=None, world_size=None,
-                 seed=0, shuffle=True, batch_order="stored", buffer_row_groups="auto", split="all", eval_sets=(),
-                 eval_user_share=0.0, eval_seed=0, columns=None, verify="checksum", gds="auto", device=None,
-                 all_reduce_targets=True):
+    def __init__(self, root: str, *, node: int | None = None, sets: str | Sequence[str] | None = None,
+                 batch_size: int = 64, token_budget: int | None = None, rank: int | None = None,
+                 world_size: int | None = None, seed: int = 0, shuffle: bool = True, batch_order: str = "stored",
+                 buffer_row_groups: int | str = "auto", split: str = "all", eval_sets: str | Sequence[str] = (),
+                 eval_user_share: float = 0.0, eval_seed: int = 0, columns: Sequence[str] | None = None,
+                 verify: str = "checksum", gds: bool | str = "auto", device: str | torch.device | None = None,
+                 all_reduce_targets: bool = True) -> None:
         super().__init__()
         # every argument is checked before a file is opened: one ArgumentError (a ValueError) naming it
         if token_budget is None:

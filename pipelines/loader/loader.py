@@ -109,8 +109,9 @@ class UserwiseLoader:
         ckpt["loader"] = loader.state_dict()
     """
 
-    def __init__(self, dataset: UserwiseDataset, *, num_workers=0, device=None, prefetch=2, worker_queue=4,
-                 pin_memory=None, multiprocessing_context="fork", timeout=600.0, zero_copy=True):
+    def __init__(self, dataset: UserwiseDataset, *, num_workers: int = 0, device: str | torch.device | None = None,
+                 prefetch: int = 2, worker_queue: int = 4, pin_memory: bool | None = None,
+                 multiprocessing_context: str = "fork", timeout: float = 600.0, zero_copy: bool = True) -> None:
         self.dataset = dataset
         self.num_workers = expect(num_workers, "int>=0", "num_workers", fix="0 decodes in this process")
         cpus = os.cpu_count() or 1

@@ -217,10 +217,11 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
     return rep, timing
 
 
-def replay(shards, *, serving_nodes: int = 1, checkpoint=None, encoder: str = "sample", window: int | None = None,
+def replay(shards: str | Trace, *, serving_nodes: int = 1, checkpoint: str | os.PathLike | None = None, encoder: str = "sample", window: int | None = None,
            dim: int = 32, heads: int = 2, layers: int = 2, dtype: str = "float32", seed: int = 0,
            max_seq_len: int | None = None, page_size: int = 64, device_bytes: int = 256 * MB,
-           host_bytes: int = 1024 * MB, disk_bytes: int = 0, cache_dir=None, device=None,
+           host_bytes: int = 1024 * MB, disk_bytes: int = 0, cache_dir: str | None = None,
+           device: str | torch.device | None = None,
            max_requests: int | None = None, verify: str = "checksum",
            make_store: Callable[..., KVStore] | None = None) -> dict:
     """Replay a shard set's requests (``shards``: its root, or a :class:`Trace`) on
@@ -236,7 +237,8 @@ def replay(shards, *, serving_nodes: int = 1, checkpoint=None, encoder: str = "s
     (``"cpu"`` or ``"cuda"``; default CUDA when there is one). Each node's :class:`KVStore` has
     pages of ``page_size`` events and ``device_bytes``, ``host_bytes`` and ``disk_bytes``;
     ``make_store(node=..., **kwargs)`` builds it instead (a test's broken cache).
-    ``max_requests``: the first requests of each node only.
+    ``max_seq_len``: L, the newest events a request sees (default: the longest span of the
+    pointers). ``max_requests``: the first requests of each node only.
 
     Sizes are bounded before anything is built: the device and host tiers by the memory the
     device and the host have (:class:`KVStore`'s check), serving nodes by the trace's users,

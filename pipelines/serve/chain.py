@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,10 +140,10 @@ class Chain:
                                                       self.end)
 
 
-def chain_of(events, *, block: int, version) -> Chain:
+def chain_of(events: Events | np.ndarray, *, block: int, version: str | int) -> Chain:
     """The :class:`Chain` of one sequence (with every event's hash): ``events`` an
     :class:`Events` or an int array ``[n, k]`` of each event's fields in order
-    (``Events.fields()``).
+    (``Events.fields()``), cut into blocks of ``block`` events, for the model ``version``.
 
     Example::
 
@@ -152,7 +153,7 @@ def chain_of(events, *, block: int, version) -> Chain:
                      np.array([0, len(events)]), block=block, versions=[version])[0]
 
 
-def chains_of(fields, offsets, *, block: int, versions) -> list[Chain]:
+def chains_of(fields: np.ndarray, offsets: np.ndarray, *, block: int, versions: str | int | Sequence[str | int]) -> list[Chain]:
     """The chains of many sequences at once (vectorised across them), each with every
     event's hash: ``fields`` int64 ``[T, k]`` (every event's fields), ``offsets`` [S+1]
     cutting it into sequences, ``versions`` one model version per sequence (or one for all).

@@ -219,7 +219,8 @@ def _check(model: ReferenceRanker, state: KVState | None = None):
 
 
 def empty_state(model: ReferenceRanker, *, max_seq_len: int, page_size: int = 64) -> KVState:
-    """The state of no events.
+    """The state of no events, for requests of ``max_seq_len`` events at most, in pages of
+    ``page_size`` events (the cache's P).
 
     Example::
 

@@ -23,6 +23,8 @@ is its one normal form, the same for routing and for the cache's key (``1`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from userwise.pipelines.errors import ArgumentError, short
@@ -34,7 +36,7 @@ _JUMP = np.uint64(2862933555777941757)
 _LONG = (-(1 << 63), (1 << 63) - 1)
 
 
-def user_id(user) -> int | str:
+def user_id(user: int | str | np.integer) -> int | str:
     """The one form of a user id, as routing hashes it and the cache keys it: an ``int`` for a
     Python or numpy integer within 64 bits (Spark's ``long``), a ``str`` for a string. A bool,
     a float (NaN included) or anything else is an :class:`ArgumentError`: ``True`` or ``1.0``
@@ -55,7 +57,7 @@ def user_id(user) -> int | str:
     return v
 
 
-def user_keys(users) -> np.ndarray:
+def user_keys(users: Sequence[int | str] | np.ndarray) -> np.ndarray:
     """The routing key (int64) of each user id (:func:`user_id`'s form): ``xxhash64(user as long)``
     for ints, ``xxhash64(user as string)`` for strings.
 
@@ -89,7 +91,7 @@ def _jump(keys: np.ndarray, n: int) -> np.ndarray:
     return b
 
 
-def nodes_of(users, nodes: int) -> np.ndarray:
+def nodes_of(users: Sequence[int | str] | np.ndarray, nodes: int) -> np.ndarray:
     """The node (int64, ``0 .. nodes - 1``) of each user id (ints or strings).
 
     Example::
@@ -101,7 +103,7 @@ def nodes_of(users, nodes: int) -> np.ndarray:
     return _jump(user_keys(users), int(nodes))
 
 
-def node_of(user, nodes: int) -> int:
+def node_of(user: int | str | np.integer, nodes: int) -> int:
     """The node of one user id (int or string).
 
     Example::

@@ -359,7 +359,7 @@ class Lease:
             st = extend(model, lease.state or empty_state(model, max_seq_len=L, page_size=P), new)
     """
 
-    def __init__(self, store: "KVStore", user, state: KVState | None, tier: str | None, refs: list):
+    def __init__(self, store: "KVStore", user: int | str, state: KVState | None, tier: str | None, refs: list) -> None:
         self.user, self.state, self.tier, self._store, self._refs = user, state, tier, store, refs
         self.length = state.length if state is not None else 0
         self._open = True
@@ -394,7 +394,8 @@ class KVStore:
     """
 
     def __init__(self, *, page_size: int, device_bytes: int, host_bytes: int = 0, disk_bytes: int = 0,
-                 folder=None, device=None, max_seq_len: int | None = None, poison_freed: bool = False):
+                 folder: str | os.PathLike | None = None, device: str | torch.device | None = None,
+                 max_seq_len: int | None = None, poison_freed: bool = False) -> None:
         page_size = expect(page_size, "int>=1", "KVStore page_size")
         budgets = {t: expect(b, "int>=0", f"KVStore {t}_bytes")
                    for t, b in (("device", device_bytes), ("host", host_bytes), ("disk", disk_bytes))}

@@ -104,7 +104,7 @@ def flex_attention(q, k, v, iv: Intervals, scale: float | None = None, block: in
     return o[0].transpose(0, 1)
 
 
-def attend(q, k, v, iv: Intervals, impl: str = "blocks", **kw) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iv: Intervals, impl: str = "blocks", **kw) -> torch.Tensor:
     """Softmax attention of ``q`` [Nq, H, D] over ``k`` [Nk, H, D], ``v`` [Nk, H, Dv] under the
     intervals ``iv`` (query row ``i`` sees keys ``[lo[i], hi[i])``; a row that sees nothing
     gives 0): ``impl`` "blocks" (pure torch, block-sparse, forward and backward on any

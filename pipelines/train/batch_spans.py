@@ -18,11 +18,15 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import request_spans, segment_ids
+
+if TYPE_CHECKING:
+    from userwise.pipelines.loader import JaggedBatch
 
 __all__ = ["Spans", "spans"]
 
@@ -109,7 +113,7 @@ class Spans:
                    imp_begin=g_begin[ir], imp_end=g_end[ir])
 
 
-def spans(batch, *, overrides: str = "refuse", check: bool = True) -> Spans:
+def spans(batch: JaggedBatch, *, overrides: str = "refuse", check: bool = True) -> Spans:
     """The batch-level pointer of a :class:`JaggedBatch` (host or device).
 
     Fat-row batches: a request whose snapshot is null (``req_snapshot`` 2) sees nothing;

@@ -288,7 +288,8 @@ def hstu_varlen_mask(cu_seqlens: torch.Tensor, *, num_targets: torch.Tensor | No
     """[total, total] bool: slot i attends to slot j under NVIDIA ``hstu_attn_varlen_func``
     (self-attention: the same offsets for q and k, no contexts). ``func``: row p sees
     ``[0, f0) | [f1, f2) | ...``; otherwise causal (``window_size=(-1, 0)``), where a target row
-    does not see the targets before its own group of ``target_group_size``.
+    does not see the targets before its own group of ``target_group_size``; ``num_targets``
+    [B]: each sequence's targets (its last slots), ``window_size``: (left, right) slots a row sees.
 
     Example::
 
