@@ -109,7 +109,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iv: Intervals, imp
     intervals ``iv`` (query row ``i`` sees keys ``[lo[i], hi[i])``; a row that sees nothing
     gives 0): ``impl`` "blocks" (pure torch, block-sparse, forward and backward on any
     device), "flex" (FlexAttention, compiled on CUDA) or "dense" (the reference). ``kw``:
-    ``scale``, ``block``.
+    ``scale``, ``block`` (the tile of "blocks" and "flex"; the dense reference has none).
 
     Example::
 
@@ -121,5 +121,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iv: Intervals, imp
     if impl == "flex":
         return flex_attention(q, k, v, iv, **kw)
     if impl == "dense":
+        kw.pop("block", None)
         return dense_attention(q, k, v, iv, **kw)
     raise ArgumentError(f"attention={impl!r}: use one of {IMPLEMENTATIONS}")

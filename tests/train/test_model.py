@@ -116,6 +116,16 @@ def test_the_rows_built_in_torch_are_the_rows_expand_batch_gives(long_batches):
             assert torch.equal(getattr(pb, f).to(getattr(mine, f).dtype), getattr(mine, f)), f
 
 
+def test_the_dense_reference_attention_gives_the_block_model_s_output(long_batches):
+    """attention="dense" (the reference) runs the model and agrees with the default "blocks"
+    (the model passes its tile, which the dense reference has no use for)."""
+    ub = UserBatch.from_jagged(long_batches[0])
+    for encoder in ("sample", "window"):
+        with torch.no_grad():
+            want = _model(encoder, window=3)(ub)
+            assert (_model(encoder, window=3, attention="dense")(ub) - want).abs().max() <= 1e-9, encoder
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
 def test_the_causal_encoder_equals_its_defined_point_wise_reference(long_batches, dtype, tol):
     """sample: the point-wise row holding the sample's stored events before the request
