@@ -6,7 +6,10 @@ incremental K/V (:func:`extend`), and a request computes only its candidates' ta
 attention over the cached history (:func:`score`). The result equals the training
 forward over the whole held sequence (:func:`full_scores`, the full recompute): the
 request's visible span is the newest ``max_seq_len`` held events, as training's
-``seq_begin = max(0, n - L)`` gives it (tested to 1e-9 in float64, 1e-5 in float32).
+``seq_begin = max(0, n - L)`` gives it (tested to 1e-9 in float64, 1e-5 in float32; in
+float16 and bfloat16, the model's dtype when it serves in half precision, to two units of the
+dtype's precision at the logits' scale, ``2 * eps * max|logits|``: the two paths round in
+different orders, and agree to about one unit).
 
 Which encoders are cacheable (``ReferenceRanker(encoder=...)``):
 
@@ -29,7 +32,9 @@ values of encoder layer ``l`` (``qkv(norm1(x))``'s K and V, heads flattened), th
 two slots the target attention's keys and values of the encoded events (``tk(enc)``,
 ``tv(enc)``). Every page but the last holds P rows. States are immutable: an extend
 shares the full pages and writes new ones; :func:`score` never changes a state
-(candidates are never cached).
+(candidates are never cached). Pages are in the model's dtype (float32, float64, float16 or
+bfloat16: ``model.to(torch.bfloat16)`` serves bfloat16 pages); a state of another dtype than
+the model's is refused, never mixed.
 """
 
 from __future__ import annotations
@@ -216,6 +221,10 @@ def _check(model: ReferenceRanker, state: KVState | None = None):
         if got != want:
             raise ArgumentError(f"the state's pages are [{got[0]} slots, dim {got[1]}], the model's [{want[0]}, "
                                 f"{want[1]}]: the state was made by another model; prefill it again")
+        have, dtype = state.pages[0].dtype, _param(model).dtype
+        if have != dtype:
+            raise ArgumentError(f"the state's pages are {have}, the model's weights {dtype}: a state is served by a "
+                                f"model of its own dtype; prefill it again with this model, or model.to({have})")
 
 
 def empty_state(model: ReferenceRanker, *, max_seq_len: int, page_size: int = 64) -> KVState:

@@ -9,8 +9,10 @@ Tiers, fastest first:
 - ``disk``: one file per user under a folder that belongs to the store.
 
 Each tier is bounded in bytes (``device_bytes``, ``host_bytes``, ``disk_bytes``): a memory
-tier holds ``bytes // page_bytes`` slots of one page (``[slots, P, dim]``) each; the disk
-tier counts its files' real sizes (header included, and the folder's lock file). A user's
+tier holds ``bytes // page_bytes`` slots of one page (``[slots, P, dim]``, in the model's dtype:
+float32, float64, float16 or bfloat16, fixed by the first state stored) each; the disk tier
+counts its files' real sizes (header included, and the folder's lock file).
+:meth:`KVStore.user_bytes` gives what a user of ``n`` events takes in each tier. A user's
 pages live in one tier. When a tier is full its least recently used user moves down
 (device to host, host to disk; off the disk it is dropped); a lookup of a user found on
 host or disk moves it back to the device.
@@ -36,7 +38,8 @@ holder's pid) and removes the files a store that ended without closing left ther
 file (``uwkv-<the store's random nonce>-<n>.kv``, mode 0600, created exclusively, opened
 without following links) is a header that binds it to its entry (the store's nonce, the
 user, the chain with its model version, L, the page size, shape and dtype, each page's
-rows and the pages' sha256) and the pages' raw bytes; the entry keeps the header and the
+rows and the pages' sha256) and the pages' raw bytes (read and written as bytes, so
+bfloat16, which numpy lacks, round-trips bit for bit); the entry keeps the header and the
 checksum in memory and a lookup compares both. A file that differs (a flipped bit, another
 user's or another store's file, a link, a file of another shape, one that is gone) is a
 miss counted as ``unreadable``, never served and never raised. A write that fails (a full
@@ -456,6 +459,40 @@ class KVStore:
                 self._remove(self._entries[user])
             self._closer()
             self._disk = None
+
+    @property
+    def page_bytes(self) -> int | None:
+        """The bytes of one page slot (``[slots, P, dim]`` in the pages' dtype), known once a
+        state is stored (None before).
+
+        Example::
+
+            store.put(user, chain, st); store.page_bytes   # == st.pages[0][0].numel() * ... * P
+        """
+        with self._lock:
+            return self._page[2] if self._page else None
+
+    def user_bytes(self, events: int, tier: str = "device") -> int:
+        """The bytes a user holding ``events`` events takes in ``tier``: ``ceil(events / P)``
+        page slots in a memory tier, its file's size (header, rows, pages) on the disk. Known
+        once a state is stored (the page's shape and dtype); a tier of ``budget`` bytes holds
+        ``budget // user_bytes(events, tier)`` such users (the disk's budget less its lock
+        file, ``capacity_bytes`` in :meth:`stats`).
+
+        Example::
+
+            store.put(user, chain, st)
+            (64 << 30) // store.user_bytes(16384, "host")   # users of 16K events in 64 GiB of host
+        """
+        n = expect(events, "int>=0", "user_bytes events")
+        if tier not in TIERS:
+            raise ArgumentError(f"user_bytes tier={tier!r}: use one of {', '.join(TIERS)}")
+        with self._lock:
+            if self._page is None:
+                raise ArgumentError("user_bytes: the store knows its page's shape and dtype once a state is "
+                                    "stored; put one first")
+            k = -(-n // self.page_size)  # no events: nothing held
+            return 0 if not k else self._file_bytes(k) if tier == "disk" else k * self._page[2]
 
     def _disk_budget(self) -> int:
         return self.budgets["disk"] - self._disk.lock_bytes if self._disk is not None else 0
