@@ -217,6 +217,11 @@ def _synth_args(p):
     p.add_argument("--kinds", default="lean,fat,actions", metavar="KINDS", help="comma list of lean, fat, actions")
     p.add_argument("--bad-rows", type=float, default=0.0, metavar="SHARE",
                    help="share of malformed rows to inject (for tests)")
+    p.add_argument("--shape", choices=["default", "production"], default="default",
+                   help="the distributions: production = long histories (weeks of action log before the "
+                        "impressions, a median over 3K events at request time); see docs/synth.md")
+    p.add_argument("--history-days", type=_nonneg_int, default=None, metavar="DAYS",
+                   help="days of action log alone before --start (default: the shape's, 0 or 53)")
     _seed(p, "the synthetic log")
 
 

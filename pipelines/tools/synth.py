@@ -89,7 +89,7 @@ BAD_REASONS = (
     R.POSITION_CONFLICT,  # two rows with one (request_id, position), different items (2 rows)
 )
 # Streams of the seed sequence: (seed, stream, day, block)
-_USERS, _DAY, _ACTIONS, _BAD, _ITEMS = 1, 2, 3, 4, 5
+_USERS, _DAY, _ACTIONS, _BAD, _ITEMS, _HISTORY = 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,8 @@ class SynthParams:
     bot_factor: float = 300.0
     """One bot-like user requests bot_factor x the median rate (~1,200 a day), around
     the clock, orders of magnitude above the rest (what skew handling must survive)."""
+    bot_action_factor: float = 1.0
+    """The bot's action-log rate, as a multiple of `action_log_rate` x its request rate."""
     one_shot_share: float = 0.05
     """Share of users with exactly one request in the whole run (cold users)."""
     same_ms_request: float = 0.003
@@ -189,6 +191,12 @@ class SynthParams:
     action_log_rate: float = 0.3
     """Events per day in the action log, as a share of the user's request rate."""
     action_log_like: float = 0.1
+    history_days: int = 0
+    """Days of action log alone before the first day of impressions (--start): the history the users
+    built on other surfaces before the impressions begin (``--history-days``)."""
+    fat_sees_actions: bool = False
+    """The fat snapshots hold the action log's events too (one history from every surface, as a
+    production sample log does); otherwise only the impressions' own actions."""
 
     # -- features -------------------------------------------------------------
     devices: tuple[str, ...] = ("android", "ios", "web", "pad")
@@ -201,6 +209,22 @@ class SynthParams:
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+SHAPES = {
+    "default": SynthParams(),
+    # Long histories (docs/synth.md#production-shape): 53 days of action log before the impressions at 7 x the
+    # request rate (~45 events per user-day; KuaiRand-27K users hold ~11.8K events each), requests at a median
+    # of 3.6 per user-day (mean ~6 with the heavy users, RecFlow's ~6), 4 to 40 impressions each. A history
+    # at request time then has a median over 3K events (requests weigh active users more), the heavy users
+    # (1%, 10x) make the tail past 50K, and the bot (25x the median rate, 3x the action log: ~100 requests and
+    # ~2K events a day, ~110K events in all) is the longest history without crowding out a small log's requests.
+    "production": SynthParams(
+        requests_per_day_median=3.6, imps_max=40, bot_factor=25.0, bot_action_factor=3.0, action_log_rate=7.0,
+        history_days=53, fat_sees_actions=True,
+    ),
+}
+"""The presets of ``--shape``: every distribution parameter, by name."""
 
 
 # ---------------------------------------------------------------------------
@@ -292,6 +316,8 @@ class World:
         fresh = rng.random(n) < p.fresh_share
         rank = np.searchsorted(self.cdf, rng.random(n), side="right")
         rank = np.minimum(rank, self.n_items - 1)
+        if d < 0:  # a history day (before --start): new items are released from the first day of impressions on
+            return self.perm[rank].astype(np.int64) + 1
         lo = max(0, d - p.fresh_days + 1) * self.new_per_day
         hi = (d + 1) * self.new_per_day
         new = self.n_items + rng.integers(lo, hi, n)
@@ -426,49 +452,71 @@ def lean_columns(w: World, U: dict, d: int, g: dict) -> dict:
     }
 
 
+_NULL = np.iinfo(np.int64).min  # an action-log event's request fields: null, first in the stream's order
+
+
 class Carry:
-    """Per block: the user's action events that later requests may still see, in stream order.
+    """Per block: the user's events that later requests may still see, in stream order.
 
     Events (local user, action_ts, request_ts, request key, position, item, bits,
-    category); the request key orders request_ids of one user as strings do.
-    After each day only the newest L events before the next day start and
-    every event at or after it (late actions) are kept.
+    category); the request key orders request_ids of one user as strings do; an
+    action-log event has null (smallest) request fields, so it comes first among
+    events of one millisecond, as in the product's order. After each day only the
+    newest L events before the next day starts and every event at or after it (late
+    actions) are kept; ``before`` counts, per user, the events dropped (all of them
+    before any later request), so that a request's whole history is counted.
     """
 
     COLS = ("user", "ats", "rts", "rkey", "pos", "item", "bits", "cat")
 
-    def __init__(self):
+    def __init__(self, n_users: int):
         self.ev = {c: np.zeros(0, np.int64) for c in self.COLS}
+        self.before = np.zeros(n_users, np.int64)
 
-    def snapshots(self, w: World, d: int, g: dict, L: int, n_users: int):
-        """Add the day's events, return per-row (start, length) into the sorted events."""
-        act = (g["click"] > 0) | (g["like"] > 0)
-        rq = g["rq"][act]
-        date_num = (w.day_ms(d) // MS_PER_DAY)
-        new = {
-            "user": g["user"][act].astype(np.int64),
-            "ats": g["action_ts"][act],
-            "rts": g["req_ts"][rq],
-            "rkey": date_num * 1_000_000 + g["req_k"][rq],
-            "pos": g["pos"][act].astype(np.int64),
-            "item": g["item"][act],
-            "bits": (g["click"][act].astype(np.int64) | (g["like"][act].astype(np.int64) << 1)),
-            "cat": w.category(g["item"][act]).astype(np.int64),
-        }
-        ev = {c: np.concatenate([self.ev[c], new[c]]) for c in self.COLS}
+    def add_day(self, w: World, d: int, g: dict | None, acts: dict | None, L: int, n_users: int):
+        """Add the day's events (the impressions' actions of ``g``, the action log's ``acts``); return the
+        sorted events and per request of ``g`` the (start, length) of its snapshot in them and its whole
+        history's length (events strictly before its request)."""
+        parts = [self.ev]
+        if g is not None:
+            act = (g["click"] > 0) | (g["like"] > 0)
+            rq = g["rq"][act]
+            date_num = (w.day_ms(d) // MS_PER_DAY)
+            parts.append({
+                "user": g["user"][act].astype(np.int64),
+                "ats": g["action_ts"][act],
+                "rts": g["req_ts"][rq],
+                "rkey": date_num * 1_000_000 + g["req_k"][rq],
+                "pos": g["pos"][act].astype(np.int64),
+                "item": g["item"][act],
+                "bits": (g["click"][act].astype(np.int64) | (g["like"][act].astype(np.int64) << 1)),
+                "cat": w.category(g["item"][act]).astype(np.int64),
+            })
+        if acts is not None:
+            null = np.full(len(acts["ts"]), _NULL, np.int64)
+            parts.append({"user": acts["user"].astype(np.int64), "ats": acts["ts"], "rts": null, "rkey": null,
+                          "pos": null, "item": acts["item"], "bits": acts["bits"].astype(np.int64),
+                          "cat": w.category(acts["item"]).astype(np.int64)})
+        ev = {c: np.concatenate([p[c] for p in parts]) for c in self.COLS}
         order = np.lexsort(tuple(ev[c] for c in reversed(self.COLS)))
         ev = {c: v[order] for c, v in ev.items()}
-        base = w.start_ms - MS_PER_DAY  # keys stay positive below 2^42 ms
+        base = w.start_ms - (w.params.history_days + 1) * MS_PER_DAY  # keys stay positive below 2^42 ms
         key = (ev["user"] << 42) + (ev["ats"] - base)
         ukey = np.arange(n_users, dtype=np.int64) << 42
         ubeg = np.searchsorted(key, ukey, side="left")
-        req_end = np.searchsorted(key, (g["req_user"].astype(np.int64) << 42) + (g["req_ts"] - base), side="left")
-        req_start = np.maximum(ubeg[g["req_user"]], req_end - L)
+        req_start = req_len = hist = np.zeros(0, np.int64)
+        if g is not None:
+            ru = g["req_user"].astype(np.int64)
+            req_end = np.searchsorted(key, (ru << 42) + (g["req_ts"] - base), side="left")
+            req_start = np.maximum(ubeg[ru], req_end - L)
+            req_len = req_end - req_start
+            hist = self.before[ru] + (req_end - ubeg[ru])
         # trim: keep events at/after the next day, and the last L before it per user
         nb = np.searchsorted(key, ukey + (w.day_ms(d + 1) - base), side="left")
         keep = np.arange(len(key)) >= (nb[ev["user"]] - L)
+        self.before += np.bincount(ev["user"][~keep], minlength=n_users)
         self.ev = {c: v[keep] for c, v in ev.items()}
-        return ev, req_start, req_end - req_start
+        return ev, req_start, req_len, hist
 
 
 def fat_columns(ev: dict, req_start: np.ndarray, req_len: np.ndarray, rq: np.ndarray) -> dict:
@@ -558,9 +606,13 @@ def inject_bad(w: World, U: dict, d: int, g: dict, lean: dict, fat: dict | None,
 
 
 def gen_actions(w: World, U: dict, d: int) -> dict:
+    """The action-log events of one block and day (a history day when d < 0), sorted by (user, ts)."""
     p = w.params
-    rng = _rng(w.seed, _ACTIONS, d, U["u0"] // BLOCK)
-    n = np.where(U["one_shot"], 0, rng.poisson(U["rate"] * p.action_log_rate))
+    # history days draw from their own stream, counted back from --start: the days of impressions draw the
+    # same events whatever --history-days is
+    rng = _rng(w.seed, _ACTIONS, d, U["u0"] // BLOCK) if d >= 0 else _rng(w.seed, _HISTORY, -d, U["u0"] // BLOCK)
+    rate = U["rate"] * np.where(U["bot"], p.action_log_rate * p.bot_action_factor, p.action_log_rate)
+    n = np.where(U["one_shot"], 0, rng.poisson(rate))
     M = int(n.sum())
     u = np.repeat(np.arange(U["n"]), n)
     hour = rng.choice(24, M, p=w.diurnal)
@@ -569,11 +621,16 @@ def gen_actions(w: World, U: dict, d: int) -> dict:
     ts = ts[order]
     item = w.sample_items(rng, M, d)
     bits = np.where(rng.random(M) < p.action_log_like, 3, 1)
+    return {"user": u, "item": item, "ts": ts, "bits": bits}
+
+
+def action_columns(w: World, U: dict, a: dict) -> dict:
+    item = a["item"]
     return {
-        "uid": pa.array(U["u0"] + u + 1, pa.int64()),
+        "uid": pa.array(U["u0"] + a["user"] + 1, pa.int64()),
         "iid": pa.array(item, pa.int64()),
-        "ts": pa.array(ts, pa.int64()),
-        "bits": pa.array(bits, pa.int64()),
+        "ts": pa.array(a["ts"], pa.int64()),
+        "bits": pa.array(a["bits"], pa.int64()),
         "cat": pa.array(w.category(item), pa.int32()),
         "auth": pa.array(w.author(item), pa.int64()),
     }
@@ -624,14 +681,26 @@ def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
 def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 200, items: int = 5000,
           impressions: int | None = None, max_seq_len: int = 50, fmt: str = "parquet",
           kinds: tuple[str, ...] = KINDS, bad_rows: float = 0.0, seed: int = 0,
-          params: SynthParams | None = None, chunk_mb: float = 256.0, log=None) -> dict:
+          params: SynthParams | None = None, chunk_mb: float = 256.0, log=None, shape: str = "default",
+          history_days: int | None = None) -> dict:
     """Generate the logs into `out` and return the summary (also written to synth.json).
+
+    ``shape`` names the preset of :data:`SHAPES` (``params`` replaces it); ``history_days``, when given,
+    replaces its ``history_days``. The summary's ``measured`` holds what the requests look like (history at
+    request time: p10, median, p90, p99, max).
 
     Example::
 
         synth("/tmp/syn", days=1, users=100, fmt="delta", bad_rows=0.01)
+        synth("/tmp/long", days=7, users=500, shape="production", kinds=("lean", "actions"))
     """
-    p = params or SynthParams()
+    if shape not in SHAPES:
+        raise UserwiseError(f"--shape {shape}: use one of {', '.join(SHAPES)}")
+    p = params or SHAPES[shape]
+    if history_days is not None:
+        if not 0 <= history_days <= MAX_DAYS:
+            raise UserwiseError(f"--history-days {history_days:,}: give 0 to {MAX_DAYS:,}")
+        p = dataclasses.replace(p, history_days=history_days)
     log = log or sys.stderr
     if seed < 0:
         raise UserwiseError(f"--seed {seed}: use a non-negative integer")
@@ -664,6 +733,10 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
     if not DATE_RANGE[0] <= start_day.isoformat() <= DATE_RANGE[1]:
         raise UserwiseError(f"--start {start}: give a date from {DATE_RANGE[0]} to {DATE_RANGE[1]}")
     start_ms = (start_day - dt.date(1970, 1, 1)).days * MS_PER_DAY
+    H = p.history_days
+    if H and (days + H > MAX_DAYS or (start_day - dt.date.fromisoformat(DATE_RANGE[0])).days < H):
+        raise UserwiseError(f"--history-days {H:,} with --days {days:,} from --start {start}: the log must span at "
+                            f"most {MAX_DAYS:,} days from {DATE_RANGE[0]} on; give fewer days or a later --start")
     _check_output(out)
     need, free = _estimated_bytes(p, users, days, kinds), _free_bytes(out)
     if need > free:
@@ -673,7 +746,7 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
               bot=users // 2, max_seq_len=max_seq_len)
     work, created = _start(out)
     try:
-        summary = _generate(work, w, p, start=start, days=days, users=users, items=items, impressions=impressions,
+        summary = _generate(work, w, p, shape_name=shape if params is None else "custom", start=start, days=days, users=users, items=items, impressions=impressions,
                             max_seq_len=max_seq_len, fmt=fmt, kinds=kinds, bad_rows=bad_rows, seed=seed,
                             chunk_mb=chunk_mb, log=log)
         _publish(work, out)
@@ -683,65 +756,86 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
     return summary
 
 
-def _generate(out: str, w: World, p: SynthParams, *, start, days, users, items, impressions, max_seq_len, fmt,
+def _generate(out: str, w: World, p: SynthParams, *, shape_name, start, days, users, items, impressions, max_seq_len, fmt,
               kinds, bad_rows, seed, chunk_mb, log) -> dict:
     """Write the whole output into ``out`` (a fresh folder) and return the summary."""
     # chunk = a group of blocks per file, sized by estimated bytes per (chunk, day)
     rows_per_block_day = BLOCK * expected_impressions_per_user_day(p, days)
     bytes_per_row = 400 + (48 * max_seq_len if "fat" in kinds else 0)  # measured peak per row, roughly
-    blocks_per_chunk = max(1, int(chunk_mb * 2**20 / (rows_per_block_day * bytes_per_row)))
+    carry_bytes = BLOCK * max_seq_len * 64 if "fat" in kinds else 0  # the newest L events of each user
+    blocks_per_chunk = max(1, int(chunk_mb * 2**20 / (rows_per_block_day * bytes_per_row + carry_bytes)))
     n_chunks = -(-w.n_blocks // blocks_per_chunk)
+    H = p.history_days
+    imps = "lean" in kinds or "fat" in kinds
+    # the history a request has: its user's impressions' actions, and the action log where the output holds it
+    # (written, or inside the fat snapshots); the fat snapshots hold it when the shape says so
+    hist_acts = "actions" in kinds or ("fat" in kinds and p.fat_sees_actions)
+    snap_acts = p.fat_sees_actions
+    counter = imps and ("fat" not in kinds or snap_acts != hist_acts)  # a carry of its own to count the history
+    need_acts = "actions" in kinds or (imps and hist_acts)
 
     rows = {k: {} for k in kinds}
     mb = {k: {} for k in kinds}
     counts: dict[str, int] = {}
     benign = 0
+    stats = _Stats()
     for c in range(n_chunks):
         blocks = range(c * blocks_per_chunk, min((c + 1) * blocks_per_chunk, w.n_blocks))
         userinfo = {b: w.users(b) for b in blocks}
-        carry = {b: Carry() for b in blocks}
-        for d in range(days):
+        snap = {b: Carry(userinfo[b]["n"]) for b in blocks} if "fat" in kinds else {}
+        count = {b: Carry(userinfo[b]["n"]) for b in blocks} if counter else {}
+        for d in range(-H, days):
             date = w.date(d).isoformat()
             lean_parts, fat_parts, act_parts = [], [], []
             for b in blocks:
                 U = userinfo[b]
-                if "lean" in kinds or "fat" in kinds:
-                    g = gen_impressions(w, U, d)
-                    lean = lean_columns(w, U, d, g)
-                    fat = None
-                    if "fat" in kinds:
-                        ev, rs, rl = carry[b].snapshots(w, d, g, max_seq_len, U["n"])
+                acts = gen_actions(w, U, d) if need_acts else None
+                g = gen_impressions(w, U, d) if imps and d >= 0 else None
+                fat = hist = None
+                if b in snap:
+                    ev, rs, rl, hist = snap[b].add_day(w, d, g, acts if snap_acts else None, max_seq_len, U["n"])
+                    if g is not None:
                         fat = fat_columns(ev, rs, rl, g["rq"])
+                if b in count:
+                    hist = count[b].add_day(w, d, g, acts if hist_acts else None, 0, U["n"])[3]
+                if g is not None:
+                    stats.add(U, g, hist)
+                    lean = lean_columns(w, U, d, g)
                     lean, fat, nb = inject_bad(w, U, d, g, lean, fat, bad_rows, counts)
                     benign += nb
                     lean_parts.append(lean)
                     if fat is not None:
                         fat_parts.append({**lean, **fat})
                 if "actions" in kinds:
-                    act_parts.append(gen_actions(w, U, d))
+                    act_parts.append(action_columns(w, U, acts))
             line = []
             for kind, parts, schema in (("lean", lean_parts, LEAN_SCHEMA), ("fat", fat_parts, FAT_SCHEMA),
                                         ("actions", act_parts, ACTIONS_SCHEMA)):
-                if kind not in kinds:
+                if kind not in kinds or (d < 0 and kind != "actions"):
                     continue
                 t = _table(parts, schema)
                 size = _write(out, kind, w.date(d), c, t) if t.num_rows else 0
                 rows[kind][date] = rows[kind].get(date, 0) + t.num_rows
                 mb[kind][date] = mb[kind].get(date, 0.0) + size / 2**20
                 line.append(f"{kind} {t.num_rows:,} rows {size / 2**20:.1f} MB")
-            print(f"synth: {date} chunk {c + 1}/{n_chunks}: " + ", ".join(line), file=log, flush=True)
+            if line:
+                print(f"synth: {date} chunk {c + 1}/{n_chunks}: " + ", ".join(line), file=log, flush=True)
 
-    for d in range(days):
+    for d in range(-H, days):
         date = w.date(d).isoformat()
-        print(f"synth: {date} total: " + ", ".join(
-            f"{k} {rows[k].get(date, 0):,} rows {mb[k].get(date, 0):.1f} MB" for k in kinds), file=log)
+        have = [k for k in kinds if date in rows[k]]
+        if have:
+            print(f"synth: {date} total: " + ", ".join(
+                f"{k} {rows[k].get(date, 0):,} rows {mb[k].get(date, 0):.1f} MB" for k in have), file=log)
+    shape = stats.summary(users, days)
 
     if fmt == "delta":
         _to_delta(out, kinds)
     summary = {
         "format": fmt,
         "args": dict(start=start, days=days, users=users, items=items, impressions=impressions,
-                     max_seq_len=max_seq_len, kinds=list(kinds), bad_rows=bad_rows, seed=seed),
+                     max_seq_len=max_seq_len, kinds=list(kinds), bad_rows=bad_rows, seed=seed, shape=shape_name,
+                     history_days=H),
         "params": p.to_dict(),
         "users": users,
         "bot_user_id": w.bot + 1,
@@ -749,6 +843,7 @@ def _generate(out: str, w: World, p: SynthParams, *, start, days, users, items, 
         "rows": rows,
         "bad_rows": {r: counts.get(r, 0) for r in BAD_REASONS},
         "benign": {"nan_score": benign},
+        "measured": shape,
     }
     with open(os.path.join(out, "bad_rows.json"), "w") as f:
         json.dump(summary["bad_rows"], f, indent=1, sort_keys=True)
@@ -759,6 +854,74 @@ def _generate(out: str, w: World, p: SynthParams, *, start, days, users, items, 
     if "fat" in kinds:
         _write_yaml(os.path.join(out, "config_fat.yaml"), make_config(max_seq_len, seed, True, False))
     return summary
+
+
+class _Stats:
+    """What the clean requests look like, gathered block by block in fixed memory: the history at request time
+    (events of the user strictly before the request) in bins exact below :attr:`EXACT` and 1/:attr:`STEPS` of an
+    octave wide above it (quantiles within 0.6%), requests (the bot's apart) and impressions per request."""
+
+    EXACT = 4096
+    STEPS = 128
+
+    def __init__(self):
+        self.bins = np.zeros(self.EXACT + self.STEPS * 64, np.int64)
+        self.max = 0
+        self.requests = self.bot_requests = self.impressions = 0
+        self.imps_min, self.imps_max = math.inf, 0
+
+    def add(self, U: dict, g: dict, hist: np.ndarray | None) -> None:
+        R = g["R"]
+        if R == 0:
+            return
+        self.requests += R
+        self.bot_requests += int(U["bot"][g["req_user"]].sum())
+        self.impressions += g["N"]
+        per = np.bincount(g["rq"], minlength=R)
+        self.imps_min, self.imps_max = min(self.imps_min, int(per.min())), max(self.imps_max, int(per.max()))
+        if hist is None:
+            return
+        h = np.asarray(hist, np.int64)
+        big = h >= self.EXACT
+        b = h.copy()
+        b[big] = self.EXACT + np.floor(self.STEPS * np.log2(h[big] / self.EXACT)).astype(np.int64)
+        self.bins += np.bincount(b, minlength=len(self.bins))
+        self.max = max(self.max, int(h.max()))
+
+    def quantile(self, q: float) -> int:
+        """The smallest history h with at least a share q of the requests at or below it (to 0.6% above 4,096)."""
+        cum = np.cumsum(self.bins)
+        b = int(np.searchsorted(cum, max(1, math.ceil(q * cum[-1])), side="left"))
+        return b if b < self.EXACT else min(self.max, math.ceil(self.EXACT * 2 ** ((b - self.EXACT) / self.STEPS)))
+
+    def summary(self, users: int, days: int) -> dict | None:
+        if not self.requests:
+            return None
+        out = {
+            "requests": self.requests,
+            "requests_per_user_day": round(self.requests / (users * days), 2),
+            "requests_per_user_day_without_bot": round((self.requests - self.bot_requests) / (max(users - 1, 1) * days), 2),
+            "bot_share_of_requests": round(self.bot_requests / self.requests, 4),
+            "impressions_per_request": {"min": self.imps_min, "mean": round(self.impressions / self.requests, 2),
+                                        "max": self.imps_max},
+        }
+        if self.bins.sum():
+            out["history_at_request"] = {"p10": self.quantile(0.10), "median": self.quantile(0.5),
+                                         "p90": self.quantile(0.90), "p99": self.quantile(0.99), "max": self.max}
+        return out
+
+
+def shape_line(m: dict) -> str:
+    """One line of what :class:`_Stats` measured."""
+    i = m["impressions_per_request"]
+    line = (f"{m['requests']:,} requests, {m['requests_per_user_day_without_bot']:.1f} per user-day without the bot "
+            f"(the bot {m['bot_share_of_requests']:.1%} of them), impressions per request {i['min']} to {i['max']} "
+            f"(mean {i['mean']:.1f})")
+    h = m.get("history_at_request")
+    if h:
+        line += "; history at request time (events): " + ", ".join(
+            f"{k} {h[k]:,}" for k in ("p10", "median", "p90", "p99", "max"))
+    return line
 
 
 def _heavy_ids(w: World) -> list[int]:
@@ -828,7 +991,8 @@ def _estimated_bytes(p: SynthParams, users: int, days: int, kinds) -> int:
     mean_imps = p.imps_min + p.imps_extra_mean
     imps = users * days * expected_impressions_per_user_day(p, days) \
         + p.bot_factor * p.requests_per_day_median * days * mean_imps
-    acts = users * days * p.requests_per_day_median * math.exp(p.requests_per_day_sigma ** 2 / 2) * p.action_log_rate
+    acts = (days + p.history_days) * p.action_log_rate * p.requests_per_day_median * (
+        users * math.exp(p.requests_per_day_sigma ** 2 / 2) + p.bot_factor * p.bot_action_factor)
     rows = {"lean": imps, "fat": imps, "actions": acts}
     return int(sum(rows[k] * _DISK_BYTES_PER_ROW[k] for k in kinds))
 
@@ -864,11 +1028,13 @@ def cli(args) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     s = synth(args.output, start=args.start, days=args.days, users=args.users, items=args.items,
               impressions=args.impressions, max_seq_len=args.max_seq_len, fmt=args.format, kinds=kinds,
-              bad_rows=args.bad_rows, seed=args.seed, log=open(os.devnull, "w") if progress.QUIET else None)
+              bad_rows=args.bad_rows, seed=args.seed, log=open(os.devnull, "w") if progress.QUIET else None,
+              shape=getattr(args, "shape", "default"), history_days=getattr(args, "history_days", None))
     total = {k: sum(v.values()) for k, v in s["rows"].items()}
     rep = {"output": args.output, "format": args.format, "rows": total, "users": s["users"],
-           "bot_user_id": s["bot_user_id"]}
+           "bot_user_id": s["bot_user_id"], "measured": s["measured"]}
     console.emit(rep, f"synth: wrote {args.output} ({args.format}): "
                  + ", ".join(f"{k} {n:,} rows" for k, n in total.items())
-                 + f"; {s['users']:,} users, bot user_id {s['bot_user_id']}")
+                 + f"; {s['users']:,} users, bot user_id {s['bot_user_id']}"
+                 + (f"\nsynth: {shape_line(s['measured'])}" if s["measured"] else ""))
     return 0
