@@ -21,6 +21,23 @@
    same shard files, the same number of workers (at least 1), list columns
    padded to their longest list as petastorm requires. Reported: the loader's
    samples/s over petastorm's (``--no-petastorm`` skips it).
+4. torch's own loader (``--no-torch-loader`` skips it): the same ``UserwiseDataset``
+   (same arguments) under ``torch.utils.data.DataLoader`` with ``batch_size=None`` (the
+   dataset yields batches), ``pin_memory=True`` (in effect only where CUDA is),
+   ``persistent_workers`` with workers, the same number of workers, and a
+   ``worker_init_fn`` that gives each worker what the loader's own workers get (Arrow's
+   decode threads only when there are fewer workers than cores, ``keep_heap``), so the
+   row measures the transport (worker pool, rings, pinned copies), not a setting. An
+   IterableDataset under DataLoader splits itself: worker w of k takes buffers
+   ``i % k == w`` (``get_worker_info``), and the DataLoader takes their batches in turn.
+   With ``--device cuda`` each batch is then copied with ``.to(device, non_blocking=True)``
+   in the loop, as a user would. torchdata's ``StatefulDataLoader`` gets the same row
+   when it is importable. Reported: its share of the ceiling and its samples/s over the
+   loader's, both medians of per-repeat pairs (the ceiling, the loader and it are timed
+   one after another in each repeat, the loader and it in alternating order): the run's
+   ``torch_dataloader`` and ``torch_vs_loader`` (``stateful_dataloader``,
+   ``stateful_vs_loader``). Each of its epochs begins with ``set_epoch`` as a user's loop
+   does. Why the loader keeps its own workers: docs/loader-design.md.
 
 Steady state: one loader per worker count is built and run for one warm-up
 epoch (worker start-up, first decode; reported separately as ``startup_s``),
@@ -40,12 +57,14 @@ with neither, into the published result, ``benchmarks/results/loader_bench.json`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -167,6 +186,60 @@ def pointwise_rate(dl, cap_s: float) -> dict:
     return {"impressions_per_s": n / (time.perf_counter() - t), "startup_s": startup}
 
 
+def torch_loaders(root: str, size: dict, workers: int, device: str, buffer_row_groups, batch_order: str) -> dict:
+    """torch's own loaders over the same dataset (a fresh ``UserwiseDataset``, the loader's
+    arguments): ``DataLoader``, and torchdata's ``StatefulDataLoader`` when it is importable."""
+    from userwise.pipelines.loader import UserwiseDataset
+
+    kinds = {"torch_dataloader": torch.utils.data.DataLoader}
+    with contextlib.suppress(ImportError):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        kinds["stateful_dataloader"] = StatefulDataLoader
+    out = {}
+    for name, cls in kinds.items():
+        ds = UserwiseDataset(root, world_size=1, rank=0, verify="none", device=device, gds=False,
+                             buffer_row_groups=buffer_row_groups, batch_order=batch_order, **size)
+        out[name] = cls(ds, batch_size=None, num_workers=workers, pin_memory=True, persistent_workers=workers > 0,
+                        worker_init_fn=_torch_worker_init if workers else None)
+    return out
+
+
+def _torch_worker_init(_worker: int) -> None:
+    """What the loader's own workers do first (``workers.pool.worker_main``): Arrow's decode
+    threads only where cores are left over, glibc keeps freed buffers (``keep_heap``).
+    torch's worker loop already sets one intra-op thread."""
+    from userwise.pipelines.loader.workers.pool import cores, keep_heap
+
+    info = torch.utils.data.get_worker_info()
+    keep_heap()
+    info.dataset.set_read_threads(info.num_workers < cores())
+
+
+def torch_epoch(dl, device: str, epoch: int) -> dict:
+    """Epoch ``epoch`` of torch's loader, begun with ``set_epoch`` as a user's loop does (with
+    persistent workers it reaches only the trainer's copy of the dataset: the workers' copies
+    plan epoch 0 again, which spares them the planning the loader does); on CUDA each batch
+    goes to the device as a user would copy it."""
+    dev = torch.device(device)
+    dl.dataset.set_epoch(epoch)
+    c0 = cpu_now()
+    t = time.perf_counter()
+    samples = events = imps = 0
+    with warnings.catch_warnings():  # pin_memory=True without an accelerator: torch warns and does not pin
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        for b in dl:
+            samples += b.num_samples
+            events += int(b.meta.get("events", 0))
+            imps += int(b.meta.get("impressions", 0))
+            if dev.type == "cuda":
+                b = b.to(dev, non_blocking=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"samples": samples, "events": events, "impressions": imps, "s": time.perf_counter() - t,
+            "cpu_s": cpu_now() - c0}
+
+
 PETASTORM_PY = os.path.join(REPO, ".venv-petastorm", "bin", "python")
 
 
@@ -184,7 +257,7 @@ def petastorm_rate(root: str, workers: int, cap_s: float, python: str) -> dict:
 
 def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: float, device: str = "cpu",
         zero_copy: bool = True, buffer_row_groups="auto", token_budget: int | None = None,
-        petastorm: str | None = None, batch_order: str = "stored") -> dict:
+        petastorm: str | None = None, batch_order: str = "stored", torch_loader: bool = True) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 
     size = {"batch_size": batch_size} if token_budget is None else {"token_budget": token_budget}
@@ -192,15 +265,40 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
                          buffer_row_groups=buffer_row_groups, batch_order=batch_order, **size)
     ld = UserwiseLoader(ds, num_workers=workers, device=device, zero_copy=zero_copy)
     warm = loader_epoch(ld)  # worker start-up + first decode
+    tdl = torch_loaders(root, size, workers, device, buffer_row_groups, batch_order) if torch_loader else {}
+    twarm = {k: torch_epoch(dl, device, 0) for k, dl in tdl.items()}
     ceil, lds, pairs = [], [], []
-    for _ in range(repeats):
+    tds: dict[str, list] = {k: [] for k in tdl}
+    for i in range(repeats):
         c = ceiling(root)
+        if i % 2:  # torch's loaders first every other repeat: neither side always runs second
+            for k, dl in tdl.items():
+                tds[k].append(torch_epoch(dl, device, i + 1))
         r = loader_epoch(ld)
+        if not i % 2:
+            for k, dl in tdl.items():
+                tds[k].append(torch_epoch(dl, device, i + 1))
         ceil.append(c)
         lds.append(r)
         pairs.append(c["s"] / r["s"])  # same samples and events: share of the ceiling's rate
     steady = statistics.median(r["s"] for r in lds)
     getattr(ld, "close", lambda: None)()
+    torch_rows = {}
+    for k, ts in tds.items():
+        if ts[0]["samples"] != lds[0]["samples"]:
+            raise SystemExit(f"{k} delivered {ts[0]['samples']} samples per epoch, the loader {lds[0]['samples']}")
+        t_s = statistics.median(t["s"] for t in ts)
+        vs = [r["s"] / t["s"] for r, t in zip(lds, ts)]  # per repeat: its samples/s over the loader's
+        torch_rows[k] = {"samples_per_s": ts[0]["samples"] / t_s, "events_per_s": ts[0]["events"] / t_s,
+                         "epoch_s": [t["s"] for t in ts], "startup_s": max(0.0, twarm[k]["s"] - t_s),
+                         "share_of_ceiling": statistics.median(c["s"] / t["s"] for c, t in zip(ceil, ts)),
+                         "share_of_ceiling_pairs": [c["s"] / t["s"] for c, t in zip(ceil, ts)],
+                         "cpu_efficiency": _ratio(statistics.median(c["cpu_s"] for c in ceil),
+                                                  statistics.median(t["cpu_s"] for t in ts)),
+                         "pinned": torch.cuda.is_available(), "persistent_workers": workers > 0}
+        torch_rows[k.replace("_dataloader", "_vs_loader")] = statistics.median(vs)
+        torch_rows[k.replace("_dataloader", "_vs_loader_pairs")] = vs
+    del tdl
     dl = pointwise_loader(pw, batch_size, workers)
     pws = [pointwise_rate(dl, cap_s) for _ in range(max(1, repeats // 2))]
     del dl
@@ -224,6 +322,7 @@ def run(root: str, pw: str, batch_size: int, workers: int, repeats: int, cap_s: 
         # load-independent view: CPU seconds (all processes) per pass, ceiling / loader
         "cpu_efficiency": _ratio(statistics.median(c["cpu_s"] for c in ceil), statistics.median(r["cpu_s"] for r in lds)),
         "impressions_vs_pointwise": ld_imps / pw_rate,
+        **torch_rows,
         **({"petastorm": {"samples_per_s": statistics.median(p["samples_per_s"] for p in pts),
                           "events_per_s": statistics.median(p["events_per_s"] for p in pts),
                           "startup_s": statistics.median(p["startup_s"] for p in pts), "workers": pts[0]["workers"]},
@@ -250,12 +349,17 @@ def plot(series: list[tuple[str, dict]], path: str) -> None:
     wd = 0.8 / k
     colors = ["#4878d0", "#ee854a", "#6acc64", "#bbbbbb"]
     peta = "samples_vs_petastorm" in series[0][1]["runs"][0]  # an earlier run without it draws no bar there
-    fig, axes = plt.subplots(1, 3 if peta else 2, figsize=(15 if peta else 10, 4))
-    specs = ((axes[0], "share_of_ceiling", 0.8, "share of pyarrow ceiling\n(samples/s, events/s)", "{:.2f}"),
-             (axes[1], "impressions_vs_pointwise", 20, "impressions/s vs point-wise\nDataset+DataLoader", "{:.0f}x"))
+    tdl = "torch_vs_loader" in series[0][1]["runs"][0]
+    n = 2 + peta + tdl
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4))
+    specs = [(axes[0], "share_of_ceiling", 0.8, "share of pyarrow ceiling\n(samples/s, events/s)", "{:.2f}"),
+             (axes[1], "impressions_vs_pointwise", 20, "impressions/s vs point-wise\nDataset+DataLoader", "{:.0f}x")]
     if peta:  # no target: petastorm is a reference, the issue's targets are the other two
-        specs += ((axes[2], "samples_vs_petastorm", None, "samples/s vs petastorm\nmake_batch_reader (padded lists)",
-                   "{:.0f}x"),)
+        specs.append((axes[2], "samples_vs_petastorm", None,
+                      "samples/s vs petastorm\nmake_batch_reader (padded lists)", "{:.0f}x"))
+    if tdl:  # dashed: within 10% of the loader (docs/loader-design.md, Why not torch's DataLoader)
+        specs.append((axes[-1], "torch_vs_loader", 0.9, "torch DataLoader (same dataset) samples/s\n"
+                      "over the loader's", "{:.2f}"))
     for ax, key, target, title, fmt in specs:
         top = target or 0
         for j, (label, res) in enumerate(series):
@@ -333,6 +437,8 @@ def main(argv=None) -> int:
                    help="the order of samples inside a batch (the loader's batch_order; default its own)")
     p.add_argument("--no-petastorm", action="store_true",
                    help="skip the petastorm baseline (it needs .venv-petastorm, made by `make setup`)")
+    p.add_argument("--no-torch-loader", action="store_true",
+                   help="skip torch's own DataLoader (and StatefulDataLoader) over the same dataset")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: average these runs' JSON into --json / --plot (default: benchmarks/results)")
     a = p.parse_args(argv)
@@ -430,7 +536,7 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
         raise SystemExit(f"{peta} missing: run `make setup`, or pass --no-petastorm")
     for w in a.workers:
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
-                a.buffer_row_groups, a.token_budget, peta, a.batch_order)
+                a.buffer_row_groups, a.token_budget, peta, a.batch_order, not a.no_torch_loader)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
@@ -440,7 +546,12 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
               f"CPU s ceiling/loader {r['cpu_efficiency'] or float('nan'):.2f}; {r['buffer_row_groups']} row groups per buffer; "
               f"{r['batches_per_epoch']} batches per epoch"
               + (f"; samples/s {r['samples_vs_petastorm']:.1f}x petastorm ({r['petastorm']['samples_per_s']:.0f}/s, "
-                 f"{r['petastorm']['workers']} worker(s))" if "samples_vs_petastorm" in r else ""),
+                 f"{r['petastorm']['workers']} worker(s))" if "samples_vs_petastorm" in r else "")
+              + "".join(f"; {k.replace('_', ' ')} {r[k]['samples_per_s']:.0f} samples/s = "
+                        f"{r[k]['share_of_ceiling']:.2f} of the ceiling, "
+                        f"{r[k.replace('_dataloader', '_vs_loader')]:.2f}x the loader (pairs "
+                        f"{', '.join(f'{x:.2f}' for x in r[k.replace('_dataloader', '_vs_loader_pairs')])})"
+                        for k in ("torch_dataloader", "stateful_dataloader") if k in r),
               flush=True)
     res["loadavg_end"] = os.getloadavg()
     return res

@@ -95,7 +95,9 @@ def test_loader_bench_merge_averages_runs(tmp_path):
 
 def test_loader_bench_runs_with_a_token_budget(tmp_path):
     """A tiny real run of the benchmark, batches cut by tokens: it reports the budget and the
-    loader's own batch count for it (the docs compare batch 128 with a token budget)."""
+    loader's own batch count for it (the docs compare batch 128 with a token budget), and
+    torch's DataLoader over the same dataset beside it."""
+    import importlib.util
     import json
 
     from userwise.pipelines.loader import UserwiseDataset
@@ -114,6 +116,14 @@ def test_loader_bench_runs_with_a_token_budget(tmp_path):
     assert run["share_of_ceiling"] > 0 and run["impressions_vs_pointwise"] > 0
     # the petastorm baseline ran over the same shards (its own environment) with one worker
     assert run["samples_vs_petastorm"] > 0 and run["petastorm"]["workers"] == 1
+    # torch's own DataLoader over the same dataset, paired with the loader in every repeat
+    # (the script stops if it delivered other samples than the loader); StatefulDataLoader
+    # only where torchdata is installed
+    tdl = run["torch_dataloader"]
+    assert tdl["samples_per_s"] > 0 and tdl["events_per_s"] > 0 and tdl["share_of_ceiling"] > 0
+    assert len(tdl["share_of_ceiling_pairs"]) == len(tdl["epoch_s"]) == 1 and not tdl["persistent_workers"]
+    assert run["torch_vs_loader"] > 0 and len(run["torch_vs_loader_pairs"]) == 1
+    assert ("stateful_dataloader" in run) == (importlib.util.find_spec("torchdata") is not None)
 
 
 def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
