@@ -2,14 +2,16 @@
 
 Public names::
 
-    from userwise.pipelines.loader import (UserwiseDataset, UserwiseLoader, JaggedBatch, expand_batch,
-                                           LoaderStateError, WorkerError)
+    from userwise.pipelines.loader import (UserwiseDataset, UserwiseLoader, LoaderStats, JaggedBatch,
+                                           expand_batch, LoaderStateError, WorkerError)
 
 - :class:`UserwiseDataset`: iterable dataset over one node's shards (rank /
   worker split, equal batch counts per rank, seeded shuffle, holdout).
 - :class:`UserwiseLoader`: use in place of torch's DataLoader (workers,
   pinned pool, side-stream prefetch, ``state_dict`` / ``load_state_dict``,
   ``stats``).
+- :class:`LoaderStats`: a loader's counters (``loader.stats``: batches, samples, events,
+  impressions, bytes, the share of time the trainer waited) and their rates.
 - :class:`JaggedBatch`: one batch in one buffer (``to``, ``pin_memory``,
   ``record_stream``, ``to_kjt``).
 - :func:`expand_batch`: a batch back to point-wise rows (pyarrow.Table).
@@ -48,6 +50,6 @@ Never imports pyspark.
 from userwise.pipelines.errors import LoaderStateError, WorkerError
 from userwise.pipelines.loader.assembly.batch import JaggedBatch, expand_batch
 from userwise.pipelines.loader.dataset import UserwiseDataset
-from userwise.pipelines.loader.loader import UserwiseLoader
+from userwise.pipelines.loader.loader import LoaderStats, UserwiseLoader
 
-__all__ = ["UserwiseDataset", "UserwiseLoader", "JaggedBatch", "expand_batch", "LoaderStateError", "WorkerError"]
+__all__ = ["UserwiseDataset", "UserwiseLoader", "LoaderStats", "JaggedBatch", "expand_batch", "LoaderStateError", "WorkerError"]

@@ -38,7 +38,18 @@ MAX_WORKER_QUEUE = MAX_SLOTS - 2
 
 @dataclass
 class LoaderStats:
-    """Counters since the last reset: rates and the share of time the consumer waited on data."""
+    """A loader's counters since the last reset (``loader.stats``): batches, samples, events,
+    impressions and bytes handed out, and the seconds the trainer waited for them;
+    :meth:`summary` adds the elapsed time, the rates and the share of time spent waiting.
+
+    Example::
+
+        for batch in loader:
+            ...
+        s = loader.stats.summary()
+        print(s["impressions_per_s"], s["wait_share"])   # wait_share near 1: the trainer starves
+        loader.stats.reset()
+    """
 
     batches: int = 0
     samples: int = 0
@@ -49,6 +60,7 @@ class LoaderStats:
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, b: JaggedBatch, waited: float) -> None:
+        """Count one batch handed out after ``waited`` seconds."""
         self.batches += 1
         self.samples += b.num_samples
         self.events += int(b.meta.get("events", 0))
@@ -57,6 +69,7 @@ class LoaderStats:
         self.wait_s += waited
 
     def summary(self) -> dict:
+        """The counters, ``elapsed_s``, the rates per second and ``wait_share``."""
         el = max(time.perf_counter() - self.started, 1e-9)
         return {
             "batches": self.batches, "samples": self.samples, "events": self.events, "impressions": self.impressions,
@@ -66,6 +79,7 @@ class LoaderStats:
         }
 
     def reset(self) -> None:
+        """Start counting again from now."""
         self.__init__()
 
 
