@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.loader.test_loader_integrity import Flipped, footer
+from tests.support.shard_sets import one_node_set
 from userwise import schemas
 from userwise.pipelines import errors
 from userwise.pipelines.config import ConfigError, safe_yaml
@@ -30,8 +31,8 @@ from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.loader.planning.resume import LoaderStateError
 from userwise.pipelines.records.writer_lock import FolderLock, LockedError, WriterLock
-from userwise.pipelines.shards import preshard, stage
-from userwise.pipelines.tools.shardgen import build_samples, layout
+from userwise.pipelines.shards import stage
+from userwise.pipelines.tools.shardgen import build_samples
 
 PY = sys.executable
 QUIET = open(os.devnull, "w")
@@ -58,10 +59,7 @@ def table():
 @pytest.fixture
 def shards(tmp_path, table):
     """``tmp/S``: a one-node shard set of two small shards."""
-    root = str(tmp_path / "S")
-    preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=1,
-                            ranks_per_node=1, seed=1, row_group_rows=16)
-    return root
+    return one_node_set(table, str(tmp_path / "S"))
 
 
 def edit(root, fn):

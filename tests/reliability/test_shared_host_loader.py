@@ -26,13 +26,12 @@ import pytest
 
 from tests.reliability.test_hostile_input import cli, edit, one_error
 from tests.support import parquet_thrift
-from userwise import schemas
+from tests.support.shard_sets import one_node_set
 from userwise.pipelines.errors import ArgumentError, ShardError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.loader import loader as loader_mod
 from userwise.pipelines.shards import manifest as mf
-from userwise.pipelines.shards import preshard
-from userwise.pipelines.tools.shardgen import build_samples, layout
+from userwise.pipelines.tools.shardgen import build_samples
 
 KW = dict(batch_size=8, seed=1, device="cpu", buffer_row_groups=2)
 
@@ -45,10 +44,7 @@ def table():
 @pytest.fixture
 def shards(tmp_path, table):
     """``tmp/S``: a one-node, one-rank shard set whose shards have several row groups of 16 rows."""
-    root = str(tmp_path / "S")
-    preshard.preshard_arrow(table, root, schema=schemas.shard_schema(layout()).to_arrow(), nodes=1,
-                            ranks_per_node=1, seed=1, row_group_rows=16)
-    return root
+    return one_node_set(table, str(tmp_path / "S"))
 
 
 def batches(root, verify, workers=0):
