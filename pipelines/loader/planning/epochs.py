@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from userwise.pipelines.loader.logs import say_once
 from userwise.pipelines.loader.planning import distributed, resume
-from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assign, holdout, plan_node
+from userwise.pipelines.loader.planning.plan import PlanSettings, RankPlan, assign, holdout, oversize, plan_node
 
 __all__ = ["Epochs"]
 
@@ -45,6 +46,7 @@ class Epochs:
         self._resumed: tuple[int, list] | None = None  # (epoch, the runs that consumed part of it: resume.py)
         self._owner: np.ndarray | None = None  # the rank of every row group
         self._keep: list | None = None  # per row group, the rows the split keeps
+        self._told_oversize = False  # the samples over the token budget counted (and said, if any)
 
     @property
     def epoch(self) -> int:
@@ -70,6 +72,9 @@ class Epochs:
                                  eval_user_share=cfg.eval_user_share, eval_seed=cfg.eval_seed,
                                  users=sh.column("user") if cfg.split != "all" and cfg.eval_user_share > 0 else None)
         costs = sh.column("cost") if cfg.token_budget is not None else None
+        if costs is not None and not self._told_oversize:
+            self._told_oversize = True
+            self._tell_oversize(costs)
         keep = self._keep
         if self._resumed is not None and self._resumed[0] == epoch:  # what the saved runs left of the epoch
             keep = resume.remaining(cfg, epoch, self._resumed[1], keep)
@@ -82,6 +87,18 @@ class Epochs:
         if agreed != targets:
             plans, _ = plan_node(**kw, targets=agreed)
         return plans
+
+    def _tell_oversize(self, costs: list) -> None:
+        """Say once per process how many of the node's samples cost more than the token
+        budget: each is a batch of its own (:func:`~userwise.pipelines.loader.planning.plan.cut`),
+        never dropped, and such a batch is over the budget."""
+        budget = self.settings.token_budget
+        over, total, largest = oversize(costs, self._keep, budget)
+        if over:
+            say_once(f"userwise loader: {over} of {total} samples on this node cost more than "
+                     f"token_budget={budget} (the largest {largest} events + impressions); each is "
+                     "a batch of its own, over the budget; raise token_budget to at least "
+                     f"{largest} to keep every batch within it")
 
     def spans_nodes(self) -> bool:
         """Planning an epoch takes one all-reduce (:func:`distributed.spans_nodes`)."""

@@ -182,6 +182,20 @@ def cut(costs: np.ndarray, batch_size: int | None, token_budget: int | None) -> 
     return np.array(bounds, int)
 
 
+def oversize(costs: list, keep: list, token_budget: int) -> tuple[int, int, int]:
+    """(samples over ``token_budget``, samples, the largest cost) among the kept rows
+    (``keep``: per row group a mask or None) of row groups of ``costs``: the samples
+    :func:`cut` gives a batch of their own, each over the budget."""
+    over = total = largest = 0
+    for c, k in zip(costs, keep):
+        c = c if k is None else c[k]
+        if len(c):
+            over += int(np.count_nonzero(c > token_budget))
+            total += len(c)
+            largest = max(largest, int(c.max()))
+    return over, total, largest
+
+
 def stored_order(buf: Buffer) -> None:
     """Each batch of ``buf`` with its samples in stored (row) order: the same samples per
     batch, sorted inside it: one sort of (batch, row) keys per buffer, about ten times
