@@ -18,6 +18,8 @@ a cost near ``cap``.
 
 - :func:`build_samples`: a build's samples table (pretrain + daily windows,
   skewed), the input of preshard tests;
+- :func:`long_user_samples`: one heavy user at production length (100K stored
+  events, requests across its history at L = 16,000) beside a few light users;
 - :func:`write_shard_set`: a shard set written as preshard writes its files
   (deliberately uneven shards, a set per window), its manifest through
   :mod:`userwise.pipelines.shards.manifest`, last;
@@ -211,6 +213,55 @@ def build_samples(*, seed: int = 0, users: int = 40, heavy: int = 3, bot_chunks:
                           null_share=null_share)
              for i, (kind, ws, we) in enumerate(sets)]
     return pa.concat_tables(parts)
+
+
+def long_user_samples(*, events: int = 100_000, max_seq_len: int = 16_000, requests: int = 8,
+                      impressions: tuple[int, int] = (4, 40), light: int = 3, seed: int = 0,
+                      window_start: str = "2025-11-01", window_end: str = "2026-01-01") -> pa.Table:
+    """A set's samples (shard schema, :func:`layout`): one heavy user (:data:`HEAVY`) whose one
+    chunk stores ``events`` events and ``requests`` requests spread over its history at L =
+    ``max_seq_len`` (the first sees the events before its window, the last all of them; each
+    sees ``[max(0, end - L), end)``), ``impressions`` (low, high) per request, then ``light``
+    light users. Arrays stay numpy until one :func:`_row`; about 10 MB per 100K events.
+
+    Example::
+
+        t = long_user_samples(events=100_000, max_seq_len=16_000)
+        t.column("num_events")[0].as_py()   # 100000
+    """
+    if not (events >= requests >= 1 and max_seq_len >= 1 and 1 <= impressions[0] <= impressions[1]):
+        raise ArgumentError(f"events={events}, requests={requests}, max_seq_len={max_seq_len}, impressions="
+                            f"{impressions}: use events >= requests >= 1, max_seq_len >= 1, 1 <= low <= high")
+    lay = layout()
+    schema = schemas.shard_schema(lay).to_arrow()
+    rng = np.random.default_rng(seed)
+    ws, we = dt.date.fromisoformat(window_start), dt.date.fromisoformat(window_end)
+    t0, t1 = _ms(ws), _ms(we)
+    # request r sees the first end[r] events: the first a part of the history, the last all of it
+    end = np.unique(np.linspace(max(1, min(max_seq_len, events) // 2), events, requests).astype(np.int64))
+    R = len(end)
+    # one walk of strictly increasing times through the events and the requests: request r comes
+    # after the first end[r] events (strictly after the last it sees) and before the next one;
+    # the end[0] events before the first request lie in the week before the window
+    n0, rest = int(end[0]), events + R - int(end[0])
+    pre = t0 - 7 * MS_DAY + np.cumsum(rng.integers(1, max(2, 7 * MS_DAY // max(1, n0)), n0))
+    step = max(2, (t1 - t0) // rest)
+    times = np.concatenate([pre, t0 + np.cumsum(rng.integers(1, step, rest)) - 1])
+    is_req = np.zeros(events + R, bool)
+    is_req[end + np.arange(R)] = True
+    rt, ev_ts = times[is_req], times[~is_req]
+    begin = np.maximum(0, end - max_seq_len).astype(np.int32)
+    k = rng.integers(impressions[0], impressions[1] + 1, R).astype(np.int32)
+    row = _row(rng, user=HEAVY, chunk=0, kind="pretrain", ws=ws, we=we, ev_ts=ev_ts, rt=rt, begin=begin,
+               end=end.astype(np.int32), k=k, null_share=0.0)
+    cols = {c: [v.tolist() if isinstance(v, np.ndarray) else v] for c, v in row.items() if c in schema.names}
+    _chains(cols, lay)
+    heavy = pa.Table.from_pydict(cols, schema=schema)
+    if not light:
+        return heavy
+    return pa.concat_tables([heavy, make_samples(light, kind="pretrain", window_start=window_start,
+                                                 window_end=window_end, seed=seed + 1, max_seq_len=max_seq_len,
+                                                 null_share=0.0)])
 
 
 def write_shard_set(root: str, *, nodes: int = 1, ranks_per_node: int = 2, sets=DEFAULT_SETS, seed: int = 0,

@@ -4,12 +4,9 @@
   sample is delivered exactly once across an epoch with budgets below the longest sample, on 1
   and 2 ranks (equal batch counts per rank), with 0 and 1 workers; each batch is within the
   budget or is that one sample; the loader says once per process, in the ``userwise.loader``
-  logger, how many of the node's samples are over it (docs/loader.md, Options).
-- A user with 100K events and requests at L = 16,000 is generated without Spark
-  (:func:`~userwise.pipelines.tools.shardgen.long_user_samples`), pre-sharded
-  (:func:`~userwise.pipelines.shards.preshard.preshard_arrow`), staged, loaded and served
-  (:mod:`userwise.pipelines.serve`: prefill, then extend, pages of 64; cached equals
-  recompute) in bounded memory.
+  logger, how many of the node's samples are over it (docs/loader.md, Arguments).
+- A user with 100K events and requests at L = 16,000, end to end (generated, pre-sharded,
+  staged, loaded, served): ``tests/serve/test_long_user.py``.
 
 No Spark here.
 """
@@ -23,7 +20,9 @@ import numpy as np
 import pytest
 
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, logs
-from userwise.pipelines.tools.shardgen import all_rows, write_shard_set
+from userwise.pipelines.shards import preshard
+from userwise.pipelines.tools.shardgen import HEAVY, all_rows, layout, long_user_samples, write_shard_set
+from userwise.schemas import shard_schema
 
 SETS = (
     ("pretrain", "2025-12-01", "2026-01-03", 30),
@@ -92,3 +91,29 @@ def test_the_samples_over_the_budget_are_said_once_per_process(long_set, caplog)
                               f"than token_budget={budget} (the largest {int(cost.max())} events")
     assert all(r.levelno == logging.WARNING and r.name == "userwise.loader" for r in caplog.records
                if "token_budget" in r.getMessage())
+
+
+def test_a_long_user_obeys_the_pointer_and_loads_alone_under_a_smaller_budget(tmp_path, caplog):
+    """The generator of the long user (tests/serve/test_long_user.py at 100K events, L = 16,000),
+    small: stored times increase, each request comes strictly after the last event it sees and
+    no later than the next, spans are ``[max(0, end - L), end)``, the last request sees every
+    stored event; under a budget a quarter of its cost it loads as a batch of its own."""
+    L = 800
+    t = long_user_samples(events=5_000, max_seq_len=L, requests=6, light=4, seed=2)
+    row = t.slice(t.column("user").to_pylist().index(HEAVY), 1).to_pylist()[0]
+    ts, rt = np.array(row["seq_ts"]), np.array(row["req_time"])
+    end, begin = np.array(row["req_seq_end"]), np.array(row["req_seq_begin"])
+    assert row["num_events"] == len(ts) == 5_000 and row["cost"] == 5_000 + sum(row["req_num_imps"])
+    assert (np.diff(ts) > 0).all() and (np.diff(rt) > 0).all() and end[-1] == len(ts)
+    assert (ts[end - 1] < rt).all() and (ts[np.minimum(end, len(ts) - 1)][:-1] >= rt[:-1]).all()
+    assert begin.tolist() == np.maximum(0, end - L).tolist() and (end - begin).max() == L
+    preshard.preshard_arrow(t, str(tmp_path / "S"), schema=shard_schema(layout()).to_arrow(), nodes=1,
+                            ranks_per_node=1)
+    logs._SAID.clear()
+    ds = UserwiseDataset(str(tmp_path / "S"), token_budget=row["cost"] // 4, verify="none", device="cpu",
+                         world_size=1, rank=0)
+    with caplog.at_level(logging.INFO, logger="userwise.loader"):
+        batches = [b.numpy("sample_id").tolist() for b in UserwiseLoader(ds)]
+    assert sorted(i for b in batches for i in b) == sorted(t.column("sample_id").to_pylist())
+    assert [row["sample_id"]] in batches
+    assert any(f"1 of {t.num_rows} samples on this node cost more" in r.getMessage() for r in caplog.records)
