@@ -7,8 +7,11 @@ less 1 ms, a day or a day and 1 ms after their request (late actions land on lat
 across window boundaries and after as-of, on the time of other requests). A user has one
 request, another has more impressions than ``max_sample_cost`` (chunks), rows are duplicated,
 input rows are shuffled, and some logs come with an action log whose events tie with the
-impressions' actions. The log is built (M = 1 or 2 days of one-day windows after a pretrain
-set) and expanded in-process on the shared Spark session, and then:
+impressions' actions. The logs of the long-L test have a long L (:data:`LONG_L`, production's
+thousands): the heavy user then also has L - 2 to L + 1 action-log events (in tied pairs) the day
+before the first request day, so that her histories reach L exactly around the truncation
+boundary, and each of her requests is a chunk of its own. The log is built (M = 1 or 2 days of
+one-day windows after a pretrain set) and expanded in-process on the shared Spark session, and then:
 
 (a) every expanded impression's history holds only events strictly before its request
     time less the availability lag D (drawn: none, 1 ms or half a day, so that actions tie
@@ -50,6 +53,7 @@ TIMES_OF_DAY = [0, 1, DAY // 2, DAY - 1]
 DWELLS = [0, 1, DAY // 2, DAY - 1, DAY, DAY + 1]
 ACTION_LOG_TOKEN = 0  # `auth` of action-log events; requests' tokens start at 1
 LAGS = {0: 0, 1: "1ms", DAY // 2: "12h"}  # availability lags (ms) and how the config writes them
+LONG_L = 4000
 
 
 def _ms(d: dt.date, t: int) -> int:
@@ -57,8 +61,9 @@ def _ms(d: dt.date, t: int) -> int:
 
 
 @st.composite
-def lean_logs(draw):
-    """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy, lag in ms)."""
+def lean_logs(draw, long: bool = False):
+    """(rows, action-log rows, L, max_sample_cost, M, uid of each extra copy, lag in ms); L = LONG_L when
+    ``long``."""
     L = draw(st.integers(2, 3), label="max_seq_len")
     cap = draw(st.integers(L + 1, L + 4), label="max_sample_cost")
     M = draw(st.sampled_from([1, 2]), label="incremental_days")
@@ -99,10 +104,21 @@ def lean_logs(draw):
     rows = draw(st.permutations(rows + [dict(r) for r in copies]), label="input order")
     with_actions = bool(acts) and draw(st.booleans(), label="with action log")
     lag = draw(st.sampled_from(sorted(LAGS)), label="availability_lag (ms)")  # last: the draws before stay
+    if long:
+        # the heavy user's long history, the day before the first request day: her newest L events are cut
+        # around the boundary, and each of her requests is a chunk of its own
+        cap, L = cap - L + LONG_L, LONG_L
+        acts = acts if with_actions else []
+        with_actions = True
+        first = min(DAYS[:-1]) - dt.timedelta(days=1)
+        for k in range(L + draw(st.integers(-2, 1), label="long history less L")):
+            item = 1 + k % 4
+            acts.append({"uid": 2, "iid": item, "ts": _ms(first, k // 2), "bits": 1 + k % 3, "cat": item % 3,
+                         "auth": ACTION_LOG_TOKEN})
     return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies], lag
 
 
-def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: int = 0) -> set[str]:
+def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: int = 0, L: int = 2) -> set[str]:
     """The edge cases a drawn log holds (plain Python over the rows, for coverage)."""
     as_of = E.ms(AS_OF)
     acted = [r for r in rows if r["click"] or r["like"]]
@@ -123,6 +139,7 @@ def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: 
         "a history": any(a["user_id"] == r["user_id"] and a["action_ts"] < r["request_ts"] - lag
                          and r["request_ts"] < as_of for a in acted for r in rows),
         "a lag": lag > 0,
+        "long L": L == LONG_L,
         "no lag": lag == 0,
         "an action at a request's time less the lag": lag > 0 and bool(
             ({(r["user_id"], r["action_ts"]) for r in acted} | {(a["uid"], a["ts"]) for a in acts or []}) & seen_at),
@@ -179,8 +196,25 @@ def check_no_leak(got, lag: int = 0) -> Counter:
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(drawn=lean_logs())
 def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
+    check_drawn(drawn, tmp_path_factory)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@settings(max_examples=max(1, EXAMPLES // 4), deadline=None, derandomize=True, database=None, print_blob=True,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(drawn=lean_logs(long=True))
+def test_no_leak_and_build_expand_equals_oracle_at_long_L(drawn, spark, tmp_path_factory):
+    """The same property at L = 4,000 (a quarter as many examples, one by default: a long example costs
+    about three short ones): the heavy user's newest L events are cut around the boundary."""
+    assert drawn[2] == LONG_L
+    check_drawn(drawn, tmp_path_factory)
+
+
+def check_drawn(drawn, tmp_path_factory) -> None:
+    """(a), (b) and (c) on one drawn log, built and expanded on the shared Spark session."""
     rows, acts, L, cap, M, copies, lag = drawn
-    for f in features(rows, acts, copies, lag):
+    for f in features(rows, acts, copies, lag, L):
         event(f)
     root = tmp_path_factory.mktemp("leak")
     log = _edge_log(root, rows, acts, L, cap, copies, lag)
@@ -195,6 +229,8 @@ def test_no_leak_and_build_expand_equals_oracle(drawn, spark, tmp_path_factory):
 
     seen = check_no_leak(got, lag)  # (a)
     assert seen["impressions"] == len(log.expected_uids)
+    if L == LONG_L:
+        assert max(got["seq_ts"].list.len()) >= L - 2, "the heavy user's long history reaches the expanded rows"
     assert_same_rows(got, oracle_for(log), log)  # (b)
     assert report["reconciled"] is True and O.reconcile(report, log) == []  # (c)
     assert report["extra_chunks"] > 0, "user 2's impressions exceed max_sample_cost: it must be split"
