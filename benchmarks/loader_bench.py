@@ -4,6 +4,8 @@
                                       [--repeats 7] [--device cpu|cuda] [--zero-copy on|off] [--json out.json] [--plot out.png]
                                       [--before earlier.json] [--shards DIR] [--buffer-row-groups auto|N]
                                       [--batch-order stored|shuffled]
+    python benchmarks/loader_bench.py --lengths 1000 4000 16000 [--length-batch-samples 32] [--length-events 8000000]
+                                      [--workers 2] [--no-petastorm] [--no-torch-loader] [--json out.json]
     python benchmarks/loader_bench.py --merge run1.json run2.json [--json mean.json --plot mean.png] [--before ...]
 
 1. Ceiling: pyarrow reading the same shard files into memory and nothing
@@ -52,6 +54,18 @@ nothing: it averages earlier runs' JSON (each run's medians, per profile and
 worker count; the pairs of all runs are kept) into one, for ``--json``/``--plot``;
 with neither, into the published result, ``benchmarks/results/loader_bench.json`` and
 ``.png``. A single run prints its JSON unless ``--json`` is given.
+
+Long samples (``--lengths``, issue #56): one profile ``L<n>`` per length, whose every
+sample holds about ``n`` events (a user with ``n`` events and a history limit of ``n``:
+the stored range ends at the last request, 0.75n-n events) and 1-20 impressions. The
+token budget scales with the length (``--length-batch-samples`` x n: about that many
+samples a batch); each profile holds about ``--length-events`` events in all (8M by
+default: 8000, 2000 and 500 samples at 1K, 4K and 16K) in row groups of about as many
+events as the long profile's (``409600 // n`` rows, so a moderate set has some twenty;
+preshard's 128 MB cut makes larger ones at full size). Each length profile also gets
+the one-thread phase breakdown of :mod:`loader_phases` (``phases``: ms of CPU per epoch,
+``limiting_phase``: the largest) and a ``verdict``: whether the loader reaches 0.8 of the
+ceiling with 2 workers (the largest worker count run, without 2), or where it stops.
 """
 
 from __future__ import annotations
@@ -397,6 +411,19 @@ PROFILES = {
     "short": dict(max_seq_len=20, max_events=120, event_scale=8.0),
 }
 SAMPLES = {"long": 32000, "short": 40000}  # per profile by default: about 63 and 12 MB of shards
+LENGTH_EVENTS = 8_000_000  # events per length profile (--lengths) by default
+LENGTH_ROW_GROUP_EVENTS = 409_600  # events per row group of a length profile: the long profile's 2048 x ~200
+
+
+def length_profile(L: int) -> dict:
+    """Samples of about ``L`` events: users of exactly ``L`` events (an event scale far above
+    the cap) and a history limit of ``L``, so a request sees every event before it."""
+    return dict(max_seq_len=L, max_events=L, event_scale=1e6 * L)
+
+
+def profile_kw(prof: str) -> dict:
+    """The sample generator's settings of a profile: a fixed one, or ``L<n>`` (``--lengths``)."""
+    return PROFILES[prof] if prof in PROFILES else length_profile(int(prof[1:]))
 
 
 def shard_set(prof: str, root: str, n: int | None = None, row_group_rows: int = 2048) -> None:
@@ -404,26 +431,38 @@ def shard_set(prof: str, root: str, n: int | None = None, row_group_rows: int = 
     unless one is there already (benchmarks reuse it with ``--shards``)."""
     if not os.path.exists(os.path.join(root, mf.MANIFEST)):
         write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=row_group_rows,
-                        sets=(("incremental", "2026-01-04", "2026-01-05", n or SAMPLES[prof]),), **PROFILES[prof])
+                        sets=(("incremental", "2026-01-04", "2026-01-05", n or SAMPLES[prof]),), **profile_kw(prof))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="loader vs pyarrow ceiling vs point-wise DataLoader")
     p.add_argument("--samples", type=int, default=None,
                    help="samples per profile (default: 32000 long, 40000 short: about 63 and 12 MB of shards)")
-    p.add_argument("--profiles", nargs="+", default=["long", "short"], choices=sorted(PROFILES))
+    p.add_argument("--profiles", nargs="+", default=None, choices=sorted(PROFILES),
+                   help="sample-size profiles (default: long short, or none with --lengths)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[],
+                   help="also run a profile of samples of about this many events per length (e.g. 1000 4000 16000), "
+                        "token budget scaled (--length-batch-samples x length)")
+    p.add_argument("--length-batch-samples", type=int, default=32,
+                   help="a length profile's token budget in samples of its length (default 32)")
+    p.add_argument("--length-events", type=int, default=LENGTH_EVENTS,
+                   help=f"events per length profile (default {LENGTH_EVENTS}; --samples gives a sample count instead)")
+    p.add_argument("--phase-epochs", type=int, default=3,
+                   help="epochs of the one-thread phase breakdown per length profile (0: skip it)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--token-budget", type=int,
                    help="cut the loader's batches by this many tokens (events + impressions) instead of --batch-size "
                         "samples (the point-wise loader keeps --batch-size rows)")
-    p.add_argument("--row-group-rows", type=int, default=2048, help="rows per row group (default: preshard's)")
+    p.add_argument("--row-group-rows", type=int, default=None,
+                   help="rows per row group (default: preshard's 2048; a length profile's: 409600 // length)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the loader delivers batches (cuda: pinned pool + side-stream copies; "
                         "the ceiling stays pyarrow into host memory)")
     p.add_argument("--pointwise-samples", type=int, default=None,
-                   help="samples expanded for the point-wise file (default: 300 long, 3000 short)")
+                   help="samples expanded for the point-wise file (default: 300 long, 3000 short, "
+                        "300000 // length for a length profile)")
     p.add_argument("--pointwise-cap-s", type=float, default=5.0)
     p.add_argument("--shards", help="reuse (or create) the shard sets under this folder (one per profile)")
     p.add_argument("--json", help="write the results here")
@@ -451,12 +490,16 @@ def main(argv=None) -> int:
         a.buffer_row_groups = int(a.buffer_row_groups)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device here")
+    if any(L < 1 for L in a.lengths) or a.length_batch_samples < 1 or a.length_events < 1:
+        p.error("--lengths, --length-batch-samples and --length-events take positive numbers")
+    profiles = (a.profiles or ([] if a.lengths else ["long", "short"])) + [f"L{L}" for L in a.lengths]
     out = {"profiles": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for prof in a.profiles:
+        for prof in profiles:
             root = os.path.join(a.shards or tmp, prof)
-            n = a.samples or SAMPLES[prof]
-            npw = a.pointwise_samples or (300 if prof == "long" else 3000)
+            L = int(prof[1:]) if prof not in PROFILES else None
+            n = a.samples or (SAMPLES[prof] if L is None else max(1, a.length_events // L))
+            npw = a.pointwise_samples or (max(8, 300_000 // L) if L else 300 if prof == "long" else 3000)
             res = bench_profile(prof, root, os.path.join(tmp, f"pointwise-{prof}.parquet"), n, npw, a)
             out["profiles"][prof] = res
     out["loadavg_end"] = os.getloadavg()
@@ -511,7 +554,9 @@ def merge(runs: list[dict]) -> dict:
 def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
 
-    shard_set(prof, root, n, a.row_group_rows)
+    L = int(prof[1:]) if prof not in PROFILES else None
+    token_budget = a.length_batch_samples * L if L else a.token_budget
+    shard_set(prof, root, n, a.row_group_rows or (max(8, LENGTH_ROW_GROUP_EVENTS // L) if L else 2048))
     ds = UserwiseDataset(root, batch_size=256, world_size=1, rank=0, verify="none", shuffle=False, device="cpu")
     parts, k = [], 0
     for b in UserwiseLoader(ds):  # the point-wise file: the same data, as many rows as npw samples give
@@ -524,19 +569,24 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
     for _ in range(2):  # warm the page cache for everyone
         ceiling(root)
     samples = sum(s["rows"] for s in man["shards"])
-    res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "token_budget": a.token_budget,
+    res = {"profile": prof, "samples": samples, "batch_size": a.batch_size, "token_budget": token_budget,
            "repeats": a.repeats,
            "events_per_sample": sum(s["events"] for s in man["shards"]) / samples,
            "shard_mb": sum(s["bytes"] for s in man["shards"]) / 1e6, "cpus": os.cpu_count(), "device": a.device,
+           "row_groups": sum(s["row_groups"] for s in man["shards"]),
+           "impressions_per_sample": sum(s["impressions"] for s in man["shards"]) / samples,
            "loadavg_start": os.getloadavg(), "runs": []}
+    if L:
+        res["length"] = L
     print(f"profile {prof}: {samples} samples, {res['events_per_sample']:.0f} events per sample, "
-          f"{res['shard_mb']:.1f} MB of shards", flush=True)
+          f"{res['shard_mb']:.1f} MB of shards in {res['row_groups']} row groups"
+          + (f", token budget {token_budget}" if token_budget else ""), flush=True)
     peta = None if a.no_petastorm else PETASTORM_PY
     if peta and not os.path.exists(peta):
         raise SystemExit(f"{peta} missing: run `make setup`, or pass --no-petastorm")
     for w in a.workers:
         r = run(root, pw, a.batch_size, w, a.repeats, a.pointwise_cap_s, a.device, a.zero_copy == "on",
-                a.buffer_row_groups, a.token_budget, peta, a.batch_order, not a.no_torch_loader)
+                a.buffer_row_groups, token_budget, peta, a.batch_order, not a.no_torch_loader)
         res["runs"].append(r)
         print(f"  workers={w}: loader {r['loader']['samples_per_s']:.0f} samples/s, "
               f"{r['loader']['events_per_s']:.0f} events/s = {r['share_of_ceiling']:.2f} of the pyarrow ceiling "
@@ -553,8 +603,55 @@ def bench_profile(prof: str, root: str, pw: str, n: int, npw: int, a) -> dict:
                         f"{', '.join(f'{x:.2f}' for x in r[k.replace('_dataloader', '_vs_loader_pairs')])})"
                         for k in ("torch_dataloader", "stateful_dataloader") if k in r),
               flush=True)
+    if L and a.phase_epochs:
+        res["phases"] = phase_breakdown(root, {"token_budget": token_budget}, a.phase_epochs, a.batch_order,
+                                        a.buffer_row_groups)
+        res["limiting_phase"] = max(PHASES, key=res["phases"].get)
+    if L:
+        res["verdict"] = verdict(res)
+        print(f"  {res['verdict']}", flush=True)
     res["loadavg_end"] = os.getloadavg()
     return res
+
+
+PHASES = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")  # loader_phases.PHASES
+
+
+def phase_breakdown(root: str, size: dict, epochs: int, batch_order: str, buffer_row_groups) -> dict:
+    """benchmarks/loader_phases.py's one-thread breakdown of one node's epoch (ms of CPU per
+    epoch, medians), in a process of its own (it sets glibc's heap as the loader's workers do)."""
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import loader_phases as lp; "
+            "from userwise.pipelines.loader.workers.pool import keep_heap; keep_heap(); "
+            "med, _ = lp.phases(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]); "
+            "print(json.dumps(med))")
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "benchmarks"), root, json.dumps(size),
+                        str(epochs), batch_order, str(buffer_row_groups)], capture_output=True, text=True, timeout=1200)
+    if r.returncode:
+        raise SystemExit(f"loader_phases failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def verdict(res: dict) -> str:
+    """Whether the loader reaches 0.8 of the ceiling with 2 workers (else the most run), or
+    where it stops: its share, and the largest phase of the one-thread breakdown."""
+    runs = {r["workers"]: r for r in res["runs"]}
+    w = 2 if 2 in runs else max(runs)
+    share = runs[w]["share_of_ceiling"]
+    res["reaches_target"] = share >= 0.8
+    res["target_workers"] = w
+    head = (f"L={res['length']}: {share:.2f} of the pyarrow ceiling with {w} worker(s) "
+            f"({res['events_per_sample']:.0f} events/sample, token budget {res['token_budget']}): ")
+    if share >= 0.8:
+        return head + "reaches 0.8"
+    out = head + "stops below 0.8"
+    ph = res.get("phases")
+    if ph:
+        lim = res["limiting_phase"]
+        out += (f"; largest phase on one thread: {lim} ({ph[lim]:.0f} of {ph['total']:.0f} ms CPU per epoch; "
+                f"ceiling {ph['ceiling']:.0f} ms; loader / ceiling {ph['total'] / ph['ceiling']:.2f}x)")
+    return out
 
 
 if __name__ == "__main__":

@@ -118,6 +118,32 @@ def gather_cpu(ds, epoch: int) -> float:
     return total
 
 
+def phases(root: str, size: dict, epochs: int, batch_order: str = BATCH_ORDERS[0],
+           buffer_row_groups="auto") -> tuple[dict, set]:
+    """The median ms of CPU per epoch of the ceiling, each phase, their total and the bare
+    gather, over ``epochs`` epochs on one thread (after one warm epoch), and the set of
+    samples-per-epoch counts seen. ``size``: the dataset's ``batch_size`` or ``token_budget``.
+    Call :func:`userwise.pipelines.loader.workers.pool.keep_heap` first, as :func:`main` does."""
+    from userwise.pipelines.loader import UserwiseDataset
+
+    ds = UserwiseDataset(root, **size, world_size=1, rank=0, verify="none", seed=1, device="cpu",
+                         batch_order=batch_order,
+                         buffer_row_groups=buffer_row_groups if buffer_row_groups == "auto" else int(buffer_row_groups))
+    ds.set_read_threads(False)
+    loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
+    rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}
+    samples = set()
+    for ep in range(epochs):
+        rows["ceiling"].append(ceiling_cpu(root))
+        acc = loader_epoch_cpu(ds, ep)
+        samples.add(acc.pop("samples"))
+        for k, v in acc.items():
+            rows[k].append(v)
+        rows["total"].append(sum(acc.values()))
+        rows["gather"].append(gather_cpu(ds, ep))
+    return {k: statistics.median(v) * 1e3 for k, v in rows.items()}, samples
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="the loader's CPU per phase on one thread, next to the pyarrow ceiling")
     p.add_argument("shards", nargs="+")
@@ -130,29 +156,13 @@ def main(argv=None) -> int:
                    help="the order of samples inside a batch (the loader's batch_order)")
     p.add_argument("--buffer-row-groups", default="auto", help="row groups per shuffle buffer (default: auto)")
     a = p.parse_args(argv)
-    from userwise.pipelines.loader import UserwiseDataset
     from userwise.pipelines.loader.workers.pool import keep_heap
 
     keep_heap()  # as in the loader's worker processes, where the benchmark's epochs decode
 
     size = {"batch_size": a.batch_size} if a.batch_size else {"token_budget": a.token_budget or 32768}
     for root in a.shards:
-        ds = UserwiseDataset(root, **size, world_size=1, rank=0, verify="none", seed=1,
-                             device="cpu", batch_order=a.batch_order,
-                             buffer_row_groups=a.buffer_row_groups if a.buffer_row_groups == "auto" else int(a.buffer_row_groups))
-        ds.set_read_threads(False)
-        loader_epoch_cpu(ds, 0)  # warm: kernels compiled or loaded, files opened
-        rows: dict = {k: [] for k in ("ceiling",) + PHASES + ("total", "gather")}
-        samples = set()
-        for ep in range(a.epochs):
-            rows["ceiling"].append(ceiling_cpu(root))
-            acc = loader_epoch_cpu(ds, ep)
-            samples.add(acc.pop("samples"))
-            for k, v in acc.items():
-                rows[k].append(v)
-            rows["total"].append(sum(acc.values()))
-            rows["gather"].append(gather_cpu(ds, ep))
-        med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+        med, samples = phases(root, size, a.epochs, a.batch_order, a.buffer_row_groups)
         print(f"{root} ({', '.join(f'{k} {v}' for k, v in size.items())}): {'/'.join(map(str, sorted(samples)))} samples per epoch; ms of CPU per epoch (median of {a.epochs}) "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
               + f"; loader / ceiling {med['total'] / med['ceiling']:.2f}x"

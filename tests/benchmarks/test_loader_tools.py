@@ -141,3 +141,36 @@ def test_loader_phases_times_every_phase_of_a_whole_epoch(staged):
         assert re.search(rf"\b{k} \d+\.\d", line), (k, line)
     assert float(re.search(r"loader / ceiling (\d+\.\d+)x", line).group(1)) > 0
     assert float(re.search(r"\(ceiling \+ gather alone\) / ceiling (\d+\.\d+)x", line).group(1)) >= 1
+
+
+def test_loader_bench_lengths_scale_the_budget_and_name_where_it_stops(tmp_path):
+    """--lengths (issue #56 point 6): one profile per length whose samples hold about that many
+    events, the token budget scaled with it, the one-thread phase breakdown beside it and a
+    verdict at 2 workers: reaches 0.8 of the ceiling, or stops, naming the largest phase."""
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = os.path.join(REPO, "benchmarks", "loader_bench.py")
+    r = subprocess.run([sys.executable, bench, "--lengths", "200", "800", "--length-events", "24000",
+                        "--length-batch-samples", "4", "--workers", "2", "--repeats", "1", "--pointwise-cap-s", "0.2",
+                        "--phase-epochs", "1", "--no-petastorm", "--no-torch-loader", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())["profiles"]
+    assert list(got) == ["L200", "L800"]  # no fixed profile unless asked for
+    phases = ("read", "from_arrow", "check", "prepared", "shuffle", "cut")
+    for L, res in ((200, got["L200"]), (800, got["L800"])):
+        assert res["length"] == L and res["token_budget"] == 4 * L
+        assert res["samples"] == 24000 // L
+        # a request sees every event before it: the stored range ends at the last request
+        assert 0.6 * L < res["events_per_sample"] <= L
+        (run,) = res["runs"]
+        assert run["workers"] == 2 and "torch_dataloader" not in run and "petastorm" not in run
+        assert set(res["phases"]) == {"ceiling", "total", "gather", *phases}
+        assert abs(res["phases"]["total"] - sum(res["phases"][k] for k in phases)) < 1e-6
+        assert res["limiting_phase"] == max(phases, key=res["phases"].get)
+        assert res["target_workers"] == 2 and res["reaches_target"] == (run["share_of_ceiling"] >= 0.8)
+        assert res["verdict"].startswith(f"L={L}: {run['share_of_ceiling']:.2f} of the pyarrow ceiling with 2 worker(s)")
+        assert res["verdict"].endswith("reaches 0.8") if res["reaches_target"] else \
+            f"largest phase on one thread: {res['limiting_phase']}" in res["verdict"]
+        assert f"  L={L}: " in r.stdout
