@@ -3,6 +3,7 @@
     python benchmarks/train_bench.py [--quick] [--lengths 200 1000] [--profiles demo heavy one_request]
                                      [--seconds 6] [--device cpu|cuda] [--threads 1] [--dim 64] [--layers 1]
                                      [--encoder sample|window|request] [--json out.json] [--plot out.png]
+                                     [--max-history-events 33554432] [--max-batches 64]
     python benchmarks/train_bench.py --replot benchmarks/results/train_bench.json   # the png from the JSON
 
 Samples. The shapes come from ``userwise synth`` logs (not timed), cut as the daily
@@ -34,6 +35,14 @@ Reported: trained impressions per second of each, and per impression the model's
 (forward x 3 for training; visible attention pairs counted exactly) and the least
 plan's (the target attention's FLOPs alone). The ratio user-wise / point-wise is
 expected to grow with L and with impressions per sample.
+
+Memory bound. A setting keeps its leading batches while the point-wise rows' histories
+(impressions x L events, every row its own copy) stay within ``--max-history-events``
+(2^25 by default: 1 GiB of int64 event columns) and at most ``--max-batches`` (64; the
+least plan's random keys and values cost ~1 KB a token): the point-wise baseline at
+L = 4,000 fits a 24 GiB machine (the heavy log's 151K impressions x 4,000 would be 600M
+events). Both sides are measured, and FLOPs counted, over the same kept batches; each run
+reports ``impressions_in_setting``, ``impressions_measured`` and ``capped``.
 
 ``--quick``: tiny sizes in seconds (the test in tests/train/test_bench.py). Defaults
 write ``benchmarks/results/train_bench.json`` and ``.png``.
@@ -161,6 +170,18 @@ def shape_summary(shapes: list[dict]) -> dict:
     return {"samples": len(shapes), "impressions_per_sample": round(float(k.mean()), 1),
             "impressions_per_sample_p90": int(np.percentile(k, 90)), "requests_per_sample": round(float(r.mean()), 2),
             "actions_per_sample_day": round(float(e.mean()), 1)}
+
+
+def cap_batches(batches: list, L: int, max_history_events: int, max_batches: int) -> list:
+    """The leading batches whose impressions x ``L`` (the point-wise rows' history events) stay
+    within ``max_history_events``, at most ``max_batches`` of them; at least the first."""
+    kept, imps = [], 0
+    for b in batches:
+        if kept and ((imps + b.num_impressions) * L > max_history_events or len(kept) >= max_batches):
+            break
+        kept.append(b)
+        imps += b.num_impressions
+    return kept
 
 
 # -- measurement ------------------------------------------------------------------------
@@ -313,6 +334,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=None,
                    help="tokens (stored events + impressions) per user-wise batch (default 16384)")
     p.add_argument("--rows", type=int, default=None, help="point-wise rows per step (default 16384 // L, >= 8)")
+    p.add_argument("--max-history-events", type=int, default=1 << 25,
+                   help="per setting, point-wise history events (impressions x L) at most: leading batches kept "
+                        "(default 2^25, 1 GiB of int64 event columns)")
+    p.add_argument("--max-batches", type=int, default=64, help="per setting, user-wise batches at most (default 64)")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot (default: the results' png) "
                    "from an earlier run's JSON")
     p.add_argument("--json", default=None)
@@ -340,7 +365,8 @@ def main(argv=None) -> int:
                        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                        "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
               "config": {"dim": dim, "heads": 2, "layers": a.layers, "encoder": a.encoder, "budget": budget,
-                         "seconds": seconds, "lengths": lengths, "synth_users": users, "synth_days": days},
+                         "seconds": seconds, "lengths": lengths, "synth_users": users, "synth_days": days,
+                         "max_history_events": a.max_history_events, "max_batches": a.max_batches},
               "profiles": {}, "runs": []}
     shapes, logs = {}, {}
     for prof in profiles:
@@ -356,14 +382,19 @@ def main(argv=None) -> int:
         for L in lengths:
             rows = a.rows or max(8, 16384 // L)
             batches = to_batches(shapes[prof], L, budget, seed=L)
+            total = sum(b.num_impressions for b in batches)
+            batches = cap_batches(batches, L, a.max_history_events, a.max_batches)
+            kept = sum(b.num_impressions for b in batches)
             r = measure(batches, L, dim=dim, layers=a.layers, encoder=a.encoder, rows=rows, seconds=seconds,
                         device=device)
-            r.update(profile=prof, L=L, rows=rows)
+            r.update(profile=prof, L=L, rows=rows, impressions_in_setting=total, impressions_measured=kept,
+                     batches_measured=len(batches), capped=kept < total)
             result["runs"].append(r)
             print(f"{prof:>11} L={L:<5} user-wise {r['userwise']['impressions_per_s']:>10.1f}/s  point-wise "
                   f"{r['pointwise']['impressions_per_s']:>9.1f}/s  speedup {r['speedup']:>7.2f}x  FLOPs ratio "
                   f"{r['flops_ratio']:>7.2f}x  least plan {r['least_plan']['impressions_per_s']:>10.1f}/s "
-                  f"(user-wise at {r['userwise_share_of_least_plan']:.2f} of it)", flush=True)
+                  f"(user-wise at {r['userwise_share_of_least_plan']:.2f} of it)"
+                  + (f"; {kept} of {total} impressions kept (memory cap)" if kept < total else ""), flush=True)
     finish(result, verdicts, plot, name="train_bench", json_path=a.json, png_path=a.plot, quick=q)
     return 0
 

@@ -38,3 +38,31 @@ def test_train_bench_quick_writes_its_figures(tmp_path):
         assert abs(x["speedup"] - x["userwise"]["impressions_per_s"] / x["pointwise"]["impressions_per_s"]) < 0.01
         assert abs(x["flops_ratio"] - f["pointwise"] / f["userwise"]) < 0.01
     assert any("grows" in v for v in res["verdicts"]) and len(res["verdicts"]) == 4
+    # nothing capped at these sizes: every batch measured
+    assert all(not x["capped"] and x["impressions_measured"] == x["impressions_in_setting"] for x in res["runs"])
+
+
+def test_train_bench_caps_the_pointwise_histories_it_holds(tmp_path):
+    """--max-history-events (issue #56 point 7, L = 4,000 on a 24 GiB machine): a setting keeps
+    its leading batches while impressions x L stay within the cap (at least one batch), and
+    says so; both sides are measured over the same kept batches."""
+    out = tmp_path / "t.json"
+    spec = importlib.util.spec_from_file_location("train_bench", os.path.join(REPO, "benchmarks", "train_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--quick", "--profiles", "demo", "--lengths", "16", "40", "--seconds", "0.05",
+                     "--max-history-events", "30000", "--json", str(out), "--plot", str(tmp_path / "t.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["max_history_events"] == 30000
+    for x in res["runs"]:
+        L = x["L"]
+        assert x["capped"] and x["impressions_measured"] < x["impressions_in_setting"]
+        assert x["impressions_measured"] * L <= 30000 or x["batches_measured"] == 1
+    assert res["runs"][0]["impressions_in_setting"] == res["runs"][1]["impressions_in_setting"]
+    assert res["runs"][0]["impressions_measured"] > res["runs"][1]["impressions_measured"]
+    shapes = bench.to_batches(bench.log_shapes("demo", users=12, days=2)[:24], 16, 1024, seed=16)
+    kept = bench.cap_batches(shapes, 16, 30000, 64)
+    assert kept == shapes[:len(kept)] and 0 < len(kept) < len(shapes)
+    assert sum(b.num_impressions for b in kept) * 16 <= 30000 < sum(b.num_impressions for b in shapes[:len(kept) + 1]) * 16
+    assert len(bench.cap_batches(shapes, 16, 1 << 40, 2)) == 2 and len(bench.cap_batches(shapes, 10**6, 1, 64)) == 1
