@@ -24,7 +24,7 @@ def staged(tmp_path_factory):
 
 
 def test_diagnose_runs_three_steps_and_names_the_bottleneck(staged, capsys):
-    rc = main(["diagnose", "--shards", staged, "--device", "cpu", "--batch-size", "8", "--batches", "5"])
+    rc = main(["diagnose", "--staged", staged, "--device", "cpu", "--batch-size", "8", "--batches", "5"])
     out = capsys.readouterr().out
     assert rc == 0
     for s in ("1. generated on the device", "2. host, copied", "3. read from shards"):
@@ -33,7 +33,7 @@ def test_diagnose_runs_three_steps_and_names_the_bottleneck(staged, capsys):
 
 
 def test_diagnose_bad_dir_is_a_one_line_error(tmp_path, capsys):
-    rc = main(["diagnose", "--shards", str(tmp_path), "--device", "cpu"])
+    rc = main(["diagnose", "--staged", str(tmp_path), "--device", "cpu"])
     assert rc == 2 and "manifest.json" in capsys.readouterr().err
 
 
