@@ -5,7 +5,9 @@ Three implementations of one function, ``out[i] = softmax(q[i] k[lo_i:hi_i]^T * 
 
 - :func:`block_attention`: pure torch, block-sparse. Queries and keys are cut into
   blocks; only the (query block, key block) pairs inside a query block's hull are
-  computed, the rows' intervals mask the rest. It runs forward and backward on any
+  computed, the rows' intervals mask the rest, a bounded chunk of pairs at a time
+  (``chunk_elems``), so its memory does not grow with queries x keys (impressions x L
+  for target attention). It runs forward and backward on any
   device, and a masked key's value never enters a visible row's sum (its score is
   replaced by -inf and its weight is exactly 0), so outputs are bitwise independent of
   what a row cannot see. The default for training here (CPU).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.jagged import ranges
@@ -49,10 +52,93 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[0] == n else torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n - x.shape[0]))
 
 
-def block_attention(q, k, v, iv: Intervals, scale: float | None = None, block: int = 64) -> torch.Tensor:
+#: The default bound of :func:`block_attention`'s working set: at most this many scores
+#: (pairs x heads x block x block) exist at a time, 4 MiB in float32. Measured on CPU, chunks
+#: of 2^16 to 2^20 scores run as fast as all the tiles at once or faster (they stay in cache).
+CHUNK_ELEMS = 1 << 20
+
+
+def _scores(qv, kv, lo, hi, pq, pk, block: int, scale: float) -> torch.Tensor:
+    """The masked scores of the listed (query block, key block) pairs: [P, H, Bq, Bk], -inf where
+    the row does not see the key."""
+    s = torch.matmul(qv[pq], kv[pk].transpose(-1, -2)) * scale                      # [P, H, Bq, Bk]
+    key = pk[:, None] * block + torch.arange(block, device=pk.device)[None, :]       # [P, Bk]
+    lo, hi = lo[pq], hi[pq]                                                          # [P, Bq]
+    vis = (key[:, None, :] >= lo[:, :, None]) & (key[:, None, :] < hi[:, :, None])  # [P, Bq, Bk]
+    return s.masked_fill(~vis[:, None], float("-inf"))
+
+
+class _BlockAttention(torch.autograd.Function):
+    """The listed tiles' softmax, ``per`` pairs at a time. Forward: a first pass takes each
+    row's largest visible score, a second sums ``exp(s - max)`` and ``exp(s - max) v``; the
+    tiles are then dropped (but for a single chunk, whose weights are kept). Backward: each
+    chunk's tiles are recomputed from q, k and the saved maxima and sums (as FlashAttention
+    does), so no pass holds more than one chunk of scores.
+    Inputs and output are blocked: ``qv`` [QB, H, Bq, D], ``kv`` [KB, H, Bk, D], ``vv`` [KB, H,
+    Bk, Dv], ``lo``/``hi`` [QB, Bq]; output [QB, H, Bq, Dv]."""
+
+    @staticmethod
+    def forward(ctx, qv, kv, vv, lo, hi, pair_q, pair_k, block: int, scale: float, per: int):
+        cuts = [(pair_q[a:a + per], pair_k[a:a + per]) for a in range(0, pair_q.numel(), per)]
+        QB, H, Bq, _ = qv.shape
+        dtype = torch.result_type(qv, kv)
+        mx = torch.full((QB, H, Bq), float("-inf"), dtype=dtype, device=qv.device)
+        s = None
+        for pq, pk in cuts:  # pass 1: the rows' maxima (a constant of the softmax)
+            s = _scores(qv, kv, lo, hi, pq, pk, block, scale)
+            row_max = s.amax(-1)  # [P, H, Bq]
+            mx = mx.scatter_reduce(0, pq[:, None, None].expand_as(row_max), row_max, "amax")
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        den = torch.zeros(QB, H, Bq, dtype=dtype, device=qv.device)
+        num = torch.zeros(QB, H, Bq, vv.shape[-1], dtype=dtype, device=qv.device)
+        for pq, pk in cuts:  # pass 2: the sums (one chunk: its scores are still here)
+            s = s if len(cuts) == 1 else _scores(qv, kv, lo, hi, pq, pk, block, scale)
+            p = torch.exp(s - mx[pq][..., None])
+            den.index_add_(0, pq, p.sum(-1))
+            num.index_add_(0, pq, torch.matmul(p, vv[pk]))
+            del s
+        den = torch.where(den > 0, den, torch.ones_like(den))  # a row that sees nothing: num = 0
+        out = num / den[..., None]
+        # one chunk: its weights (within the bound) are kept for the backward, not recomputed
+        w = p / den[pair_q][..., None] if len(cuts) == 1 and any(ctx.needs_input_grad[:3]) else None
+        ctx.save_for_backward(qv, kv, vv, lo, hi, pair_q, pair_k, mx, den, out, w)
+        ctx.args = (block, scale, per)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        qv, kv, vv, lo, hi, pair_q, pair_k, mx, den, out, w1 = ctx.saved_tensors
+        block, scale, per = ctx.args
+        g = g.to(out.dtype)
+        delta = (g * out).sum(-1)  # [QB, H, Bq]: the row's sum of w * dL/dw
+        dq, dk, dv = (torch.zeros(x.shape, dtype=out.dtype, device=x.device) for x in (qv, kv, vv))
+        for a in range(0, pair_q.numel(), per):
+            pq, pk = pair_q[a:a + per], pair_k[a:a + per]
+            w = w1 if w1 is not None else \
+                torch.exp(_scores(qv, kv, lo, hi, pq, pk, block, scale) - mx[pq][..., None]) / den[pq][..., None]
+            gq = g[pq]                                                                  # [P, H, Bq, Dv]
+            dv.index_add_(0, pk, torch.matmul(w.transpose(-1, -2), gq))
+            ds = w * (torch.matmul(gq, vv[pk].transpose(-1, -2)) - delta[pq][..., None])  # [P, H, Bq, Bk]
+            dq.index_add_(0, pq, torch.matmul(ds, kv[pk]) * scale)
+            dk.index_add_(0, pk, torch.matmul(ds.transpose(-1, -2), qv[pq]) * scale)
+            del w, ds
+        return dq.to(qv.dtype), dk.to(kv.dtype), dv.to(vv.dtype), None, None, None, None, None, None, None
+
+
+def block_attention(q, k, v, iv: Intervals, scale: float | None = None, block: int = 64,
+                    chunk_elems: int | None = None) -> torch.Tensor:
+    """Block-sparse attention (see the module). ``chunk_elems`` (default :data:`CHUNK_ELEMS`)
+    bounds the working set: the listed pairs are taken a chunk at a time, at most
+    ``chunk_elems`` scores (pairs x heads x block x block; at least one pair) per chunk,
+    forward and backward, so the memory beyond q, k, v and the output does not grow with
+    queries x keys (the backward recomputes each chunk's scores rather than keeping them)."""
     nq, H, D = q.shape
     nk, Dv = k.shape[0], v.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    chunk_elems = CHUNK_ELEMS if chunk_elems is None else chunk_elems
+    if chunk_elems < 1:
+        raise ArgumentError(f"chunk_elems={chunk_elems}: use a positive number of scores per chunk")
     if nq == 0 or nk == 0:
         return q.new_zeros(nq, H, Dv) + 0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for empty batches
     qb, kb = -(-nq // block), -(-nk // block)
@@ -60,24 +146,14 @@ def block_attention(q, k, v, iv: Intervals, scale: float | None = None, block: i
     n = (stop - first).clamp(min=0)
     pair_q = torch.repeat_interleave(torch.arange(qb, device=q.device), n)  # (P,) query block of each pair
     pair_k = ranges(first, n)                                                 # (P,) key block of each pair
-    # blocks as [blocks, H, rows, D]: the gathers below are contiguous batched matrices
-    qs = _pad_rows(q, qb * block).view(qb, block, H, D).transpose(1, 2)[pair_q]   # [P, H, Bq, D]
-    ks = _pad_rows(k, kb * block).view(kb, block, H, D).transpose(1, 2)[pair_k]   # [P, H, Bk, D]
-    vs = _pad_rows(v, kb * block).view(kb, block, H, Dv).transpose(1, 2)[pair_k]  # [P, H, Bk, Dv]
-    s = torch.matmul(qs, ks.transpose(-1, -2)) * scale                           # [P, H, Bq, Bk]
-    lo = torch.cat([iv.lo, iv.lo.new_zeros(qb * block - nq)]).view(qb, block)[pair_q]  # [P, Bq]
-    hi = torch.cat([iv.hi, iv.hi.new_zeros(qb * block - nq)]).view(qb, block)[pair_q]
-    key = pair_k[:, None] * block + torch.arange(block, device=q.device)[None, :]  # [P, Bk]
-    vis = (key[:, None, :] >= lo[:, :, None]) & (key[:, None, :] < hi[:, :, None])  # [P, Bq, Bk]
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    row_max = s.amax(-1).detach()  # [P, H, Bq]
-    mx = torch.full((qb, H, block), float("-inf"), dtype=s.dtype, device=s.device)
-    mx = mx.scatter_reduce(0, pair_q[:, None, None].expand_as(row_max), row_max, "amax")
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    p = torch.exp(s - mx[pair_q][..., None])
-    den = torch.zeros(qb, H, block, dtype=s.dtype, device=s.device).index_add(0, pair_q, p.sum(-1))
-    num = torch.zeros(qb, H, block, Dv, dtype=s.dtype, device=s.device).index_add(0, pair_q, torch.matmul(p, vs))
-    out = num / torch.where(den > 0, den, torch.ones_like(den))[..., None]  # [QB, H, Bq, Dv]
+    # blocks as [blocks, H, rows, D]: a pair's gathers are contiguous batched matrices
+    qv = _pad_rows(q, qb * block).view(qb, block, H, D).transpose(1, 2)     # [QB, H, Bq, D]
+    kv = _pad_rows(k, kb * block).view(kb, block, H, D).transpose(1, 2)     # [KB, H, Bk, D]
+    vv = _pad_rows(v, kb * block).view(kb, block, H, Dv).transpose(1, 2)    # [KB, H, Bk, Dv]
+    lo = torch.cat([iv.lo, iv.lo.new_zeros(qb * block - nq)]).view(qb, block)  # [QB, Bq]
+    hi = torch.cat([iv.hi, iv.hi.new_zeros(qb * block - nq)]).view(qb, block)
+    per = max(1, chunk_elems // (H * block * block))  # pairs per chunk
+    out = _BlockAttention.apply(qv, kv, vv, lo, hi, pair_q, pair_k, block, scale, per)  # [QB, H, Bq, Dv]
     return out.transpose(1, 2).reshape(qb * block, H, Dv)[:nq]
 
 
@@ -109,7 +185,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iv: Intervals, imp
     intervals ``iv`` (query row ``i`` sees keys ``[lo[i], hi[i])``; a row that sees nothing
     gives 0): ``impl`` "blocks" (pure torch, block-sparse, forward and backward on any
     device), "flex" (FlexAttention, compiled on CUDA) or "dense" (the reference). ``kw``:
-    ``scale``, ``block`` (the tile of "blocks" and "flex"; the dense reference has none).
+    ``scale``, ``block`` (the tile of "blocks" and "flex"; the dense reference has none),
+    ``chunk_elems`` ("blocks": the most scores held at a time, see :func:`block_attention`).
 
     Example::
 
@@ -118,6 +195,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iv: Intervals, imp
     """
     if impl == "blocks":
         return block_attention(q, k, v, iv, **kw)
+    if impl in ("flex", "dense"):
+        kw.pop("chunk_elems", None)  # the bound of "blocks"' working set; the others have none
     if impl == "flex":
         return flex_attention(q, k, v, iv, **kw)
     if impl == "dense":
