@@ -12,10 +12,10 @@ since the last request) with a one-layer window encoder of dim 16; each request'
 equal the full recompute (the training forward over the same events) to float32 rounding.
 
 Measured memory (the flow in a fresh process, on the shared 2-core development machine, torch
-CPU, one thread): peak RSS 1.35 GB, of which 0.58 GB is the imports (torch, pyarrow, numba) and
-0.77 GB the flow. The largest part is the full recompute at 100K events: the training forward's
-block attention of the window encoder holds score tiles of [pairs of 64-blocks, heads, 64, 64],
-linear in the events (no requests x L anywhere). The store holds the user in 25.6 MB (1,563 pages
+CPU, one thread; VmHWM, see tests/support/memory.py): peak RSS 1.02 GB, of which 0.58 GB is the
+imports (torch, pyarrow, numba) and 0.44 GB the flow. The largest part is the full recompute at
+100K events: the training forward's block attention, chunked (at most ``CHUNK_ELEMS`` scores at
+once), linear in the events (no requests x L anywhere). The store holds the user in 25.6 MB (1,563 pages
 x 64 events x 4 slots x 16 dims x 4 bytes). The test asserts the flow's growth stays under
 2 GB; it runs in about 13 s (a fresh process), hence ``slow``.
 """
@@ -29,18 +29,18 @@ import sys
 
 import pytest
 
-BOUND_GROWTH_MB = 2048  # generous: measured 0.76 GB (see the module doc)
+BOUND_GROWTH_MB = 2048  # generous: measured 0.44 GB (see the module doc)
 EVENTS, L, PAGE = 100_000, 16_000, 64
 
 
 def flow(tmp: str) -> dict:
     """Generate, pre-shard, stage, load and serve the heavy user; return what the test checks."""
     import io
-    import resource
 
     import numpy as np
     import torch
 
+    from tests.support.memory import peak_mb
     from userwise import schemas
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
     from userwise.pipelines.serve import Candidates, Events, KVStore, chain_of, extend, full_scores, prefill, score
@@ -49,7 +49,7 @@ def flow(tmp: str) -> dict:
     from userwise.pipelines.train import ReferenceRanker, UserBatch
 
     torch.set_num_threads(1)
-    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base_mb = peak_mb()
     out: dict = {"base_mb": base_mb}
 
     table = long_user_samples(events=EVENTS, max_seq_len=L, requests=8, light=3, seed=5)
@@ -109,7 +109,7 @@ def flow(tmp: str) -> dict:
     s = store.stats()
     out.update(worst_rel=worst, lengths=lengths, served_from=served_from, reuse=s["reuse"],
                resident=s["resident_bytes"]["device"], user_bytes=store.user_bytes(EVENTS, "device"),
-               peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+               peak_mb=peak_mb())
     return out
 
 

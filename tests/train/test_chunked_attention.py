@@ -138,6 +138,7 @@ import json, sys, torch
 torch.set_num_threads(1)
 from userwise.pipelines.train import Intervals
 from userwise.pipelines.train.attention import block_attention
+from tests.support.memory import peak_mb
 chunk = json.loads(sys.argv[1])
 L = 4096
 
@@ -151,22 +152,21 @@ def case(impressions):  # requests of 8 impressions, each seeing the L events be
 def run(q, k, v, iv):
     block_attention(q, k, v, iv, block=64, chunk_elems=chunk).square().sum().backward()
 
-def peak_kb():  # VmHWM, this image's high-water mark: ru_maxrss keeps a big forking parent's (pytest's) after exec
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
 small, big = case(256), case(2560)
 run(*small); run(*small)  # warm: every code path once at 1x
-before = peak_kb()
+before = peak_mb()
 run(*big)
-print(json.dumps((peak_kb() - before) / 1024))
+print(json.dumps(peak_mb() - before))
 """
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _peak_growth_mb(chunk) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(chunk)], capture_output=True, text=True, env=env,
-                       timeout=300)
+                       timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
