@@ -197,39 +197,124 @@ class JaggedBatch:
             self.buffer.record_stream(stream)
         return self
 
-    def to_kjt(self, keys=None, *, per: str = "sample"):
+    def jagged(self, key: str, per: str = "sample") -> tuple[torch.Tensor, torch.Tensor]:
+        """One integer column as bags: ``(values, lengths)`` (int64 values, int64 lengths, on
+        the batch's device), the bags of :meth:`to_kjt` for ``key`` (``per`` as there, without
+        ``vbe``). An :class:`ArgumentError` for a string column, an unknown ``per``, or a key
+        ``per`` cannot bag.
+
+        Example::
+
+            v, ln = b.jagged("imp__item_id", per="impression")   # one bag per impression
+        """
+        cols = self.meta["columns"]
+        if key not in cols:
+            raise ArgumentError(f"batch has no column {key!r}; it has {sorted(cols)}")
+        group, typ = cols[key]
+        if typ in _STRINGY:
+            raise ArgumentError(f"{key!r} is a string column; a KeyedJaggedTensor needs integer ids")
+        v = self[key].long()
+        if per == "request":
+            if group != "seq":
+                raise ArgumentError(f"per='request' needs sequence keys, {key!r} is per {group}")
+            b, e = self._request_spans()
+            ln = e - b
+            return v[ranges(b, ln)], ln
+        if per == "sample":
+            if group == "sample":  # a scalar per sample: one bag of one value
+                return v, torch.ones(len(v), dtype=torch.int64, device=v.device)
+            off = self[f"{group}.offsets" if group in ("seq", "req", "imp") else f"{key}.offsets"].long()
+            return v, off[1:] - off[:-1]
+        if per == "impression":
+            # one bag per impression: its own value (imp), its request's (req), its sample's
+            # (sample) or the history its request sees (seq), as expand_batch's rows hold them
+            idx = self._per_impression_row(key, group)
+            if group == "seq":
+                b, e = self._request_spans()
+                ln = (e - b)[idx]
+                return v[ranges(b[idx], ln)], ln
+            return v[idx], torch.ones(len(idx), dtype=torch.int64, device=v.device)
+        raise ArgumentError(f"per must be 'sample', 'request' or 'impression', got {per!r}")
+
+    def _request_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return request_spans(self["seq.offsets"], self["req.sample"], self["req_seq_begin"], self["req_seq_end"])
+
+    def _per_impression_row(self, key: str, group: str) -> torch.Tensor:
+        """Each impression's row in ``key``'s own group (int64): itself, its request, its sample."""
+        imp_req = self["imp.req"].long()
+        if group == "imp":
+            return torch.arange(len(imp_req), dtype=torch.int64, device=imp_req.device)
+        if group in ("req", "seq"):
+            if group == "seq" and (self.meta.get("roles") or {}).get("fat") and "req_snapshot" in self:
+                raise ArgumentError(f"per='impression' of sequence key {key!r}: a fat-row batch's requests may "
+                                    "see override snapshots; use expand_batch for their histories")
+            return imp_req
+        if group == "sample":
+            return self["req.sample"].long()[imp_req]
+        raise ArgumentError(f"per='impression' needs sample, request, impression or sequence keys, {key!r} is a "
+                            f"{group} column")
+
+    def to_kjt(self, keys=None, *, per: str = "sample", vbe: bool = False):
         """A TorchRec ``KeyedJaggedTensor`` (values int64, lengths key-major).
 
         ``keys``: list columns (``seq_item``, ``imp__item_id``, ``req__hour`` ...);
         default: every numeric sequence field. ``per="sample"``: one bag per
         (key, sample); ``per="request"``: for sequence keys, one bag per (key,
-        request) holding the history that request sees (seq[begin:end]).
+        request) holding the history that request sees (seq[begin:end]);
+        ``per="impression"``: one bag per (key, impression), the point-wise form: an
+        impression key's own value, a request key's (context, user features) or a sample
+        key's (``user``) value repeated for each impression, a sequence key's history the
+        impression's request sees.
+
+        ``vbe=True`` (with ``per="impression"``): TorchRec's variable-batch form. Each key
+        keeps one bag per row of its own group, so request and user features come once per
+        request (``req__``, and the history of a sequence key), sample keys once per sample,
+        impression keys once per impression (``stride_per_key_per_rank`` ``[[R]]``, ``[[B]]``,
+        ``[[N]]``), and ``inverse_indices`` ``(keys, [K, N] int64)`` maps every impression to
+        its bag in each key. An ``EmbeddingBagCollection`` looks each bag up once and expands
+        the pooled rows to the ``N`` impressions; expanding the bags by ``inverse_indices``
+        gives exactly the ``per="impression"`` KJT.
+
+        Example::
+
+            kjt = b.to_kjt(["imp__item_id", "req__hour", "seq_item"], per="impression", vbe=True)
+            kjt.stride_per_key()          # [N, R, R]
+            pooled = ebc(kjt)             # [N, dims]: request features looked up R times, not N
         """
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+        if not isinstance(vbe, bool):
+            raise ArgumentError(f"vbe must be True or False, got {vbe!r}")
+        if vbe and per != "impression":
+            raise ArgumentError(f"vbe=True needs per='impression' (bags once per request, expanded to the "
+                                f"impressions), got per={per!r}")
         cols = self.meta["columns"]
         keys = list(keys) if keys is not None else [k for k in self.seq_fields() if cols[k][1] not in _STRINGY]
-        vals, lens = [], []
+        if not vbe:
+            vals, lens = zip(*(self.jagged(k, per) for k in keys)) if keys else ((), ())
+            return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=_cat(vals, self.device),
+                                                       lengths=_cat(lens, self.device).int())
+        vals, lens, strides, inverse = [], [], [], []
         for k in keys:
-            group, typ = cols[k]
-            if typ in _STRINGY:
-                raise ArgumentError(f"{k!r} is a string column; a KeyedJaggedTensor needs integer ids")
-            v = self[k].long()
-            if per == "request":
-                if group != "seq":
-                    raise ArgumentError(f"per='request' needs sequence keys, {k!r} is per {group}")
-                b, e = request_spans(self["seq.offsets"], self["req.sample"], self["req_seq_begin"],
-                                     self["req_seq_end"])
-                ln = e - b
-                v = v[ranges(b, ln)]
-            elif per == "sample":
-                off = self[f"{group}.offsets" if group in ("seq", "req", "imp") else f"{k}.offsets"].long()
-                ln = off[1:] - off[:-1]
-            else:
-                raise ArgumentError(f"per must be 'sample' or 'request', got {per!r}")
+            if k not in cols:
+                raise ArgumentError(f"batch has no column {k!r}; it has {sorted(cols)}")
+            group = cols[k][0]
+            inverse.append(self._per_impression_row(k, group))  # also rejects list columns, fat histories
+            if group == "seq":  # a request's history, once per request
+                v, ln = self.jagged(k, "request")
+            else:  # one value per row of its own group: impression, request or sample
+                v, _ = self.jagged(k, "sample")
+                ln = torch.ones(len(v), dtype=torch.int64, device=v.device)
             vals.append(v)
             lens.append(ln)
-        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(vals), lengths=torch.cat(lens).int())
+            strides.append([len(ln)])
+        inv = torch.stack(inverse) if inverse else torch.empty((0, self.num_impressions), dtype=torch.int64)
+        return KeyedJaggedTensor(keys=keys, values=_cat(vals, self.device), lengths=_cat(lens, self.device).int(),
+                                 stride_per_key_per_rank=strides, inverse_indices=(keys, inv))
+
+
+def _cat(ts, device) -> torch.Tensor:
+    return torch.cat(list(ts)) if ts else torch.empty(0, dtype=torch.int64, device=device)
 
 
 OVR_PREFIX = "ovr_"

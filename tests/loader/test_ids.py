@@ -1,0 +1,127 @@
+"""The ids' half of the trainer's input (issue 58 points 3 and 4): request features once per
+request as TorchRec's variable-batch KJT, and batches deduplicated and routed for row-wise
+sharding, checked against TorchRec's and fbgemm's own functions on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from userwise.pipelines.jagged import np_offsets, np_ranges
+from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
+from userwise.pipelines.tools.shardgen import write_shard_set
+
+torchrec = pytest.importorskip("torchrec")  # installed (torchrec 1.8 + fbgemm-gpu-cpu 1.8) per the lock files
+
+KEYS = ["imp__item_id", "imp__category", "req__hour", "req__age_bucket", "user", "seq_item", "seq_category"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ids"))
+    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=16,
+                    sets=(("incremental", "2026-01-04", "2026-01-05", 60),))
+    return root
+
+
+@pytest.fixture(scope="module")
+def batches(root):
+    torch.set_num_threads(1)
+    return list(UserwiseLoader(UserwiseDataset(root, batch_size=12, world_size=1, rank=0)))
+
+
+def _bags(kjt, key):
+    jt = kjt[key]
+    return jt.values().long(), jt.lengths().long()
+
+
+def _expand(kjt, key):
+    """A VBE KJT's bags of ``key`` expanded to the impressions by its inverse_indices."""
+    v, ln = _bags(kjt, key)
+    keys, inv = kjt.inverse_indices()
+    idx = inv[keys.index(key)].long().numpy()
+    off = np_offsets(ln.numpy())
+    return v[torch.from_numpy(np_ranges(off[:-1][idx], ln.numpy()[idx]))], ln[torch.from_numpy(idx)]
+
+
+def test_per_impression_kjt_is_expand_batchs_rows(batches):
+    """The per-impression KJT (today's point-wise form) holds, per impression, exactly what
+    expand_batch's row for it holds: its item, its request's context and user features, its
+    user, the history its request sees."""
+    names = {"imp__item_id": "item_id", "imp__category": "category", "req__hour": "hour",
+             "req__age_bucket": "age_bucket", "user": "user_id", "seq_item": "seq_item", "seq_category": "seq_category"}
+    for b in batches[:3]:
+        rows = expand_batch(b)
+        kjt = b.to_kjt(KEYS, per="impression")
+        assert kjt.stride() == b.num_impressions == rows.num_rows
+        for k in KEYS:
+            v, ln = _bags(kjt, k)
+            col = rows.column(names[k]).combine_chunks()
+            if k.startswith("seq_"):
+                want_len = np.asarray(col.value_lengths())
+                want = np.asarray(col.flatten())
+            else:
+                want_len = np.ones(rows.num_rows, np.int64)
+                want = np.asarray(col.fill_null(0))
+            assert np.array_equal(ln.numpy(), want_len), k
+            assert np.array_equal(v.numpy(), want.astype(np.int64)), k
+
+
+def test_vbe_kjt_expands_to_the_per_impression_kjt(batches):
+    """Request and user features come once per request (stride R), the user once per sample,
+    the items once per impression; expanding every key's bags by inverse_indices gives the
+    per-impression KJT's values and lengths exactly."""
+    seen_shared = False
+    for b in batches:
+        N, R, B = b.num_impressions, b.num_requests, b.num_samples
+        vbe = b.to_kjt(KEYS, per="impression", vbe=True)
+        flat = b.to_kjt(KEYS, per="impression")
+        assert vbe.variable_stride_per_key()
+        assert vbe.stride_per_key() == [N, N, R, R, B, R, R]
+        keys, inv = vbe.inverse_indices()
+        assert keys == KEYS and tuple(inv.shape) == (len(KEYS), N)
+        for k in KEYS:
+            v, ln = _expand(vbe, k)
+            fv, fl = _bags(flat, k)
+            assert torch.equal(ln, fl) and torch.equal(v, fv), k
+        # the request keys hold fewer values than the per-impression form when requests have several impressions
+        seen_shared |= R < N and vbe["req__hour"].values().numel() < flat["req__hour"].values().numel()
+    assert seen_shared
+
+
+def test_vbe_kjt_through_embedding_bag_collection(batches):
+    """TorchRec's EmbeddingBagCollection pools each request's bags once and expands them with
+    inverse_indices: the same [N, dims] as the per-impression KJT."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=5000, feature_names=["imp__item_id", "seq_item"]),
+        EmbeddingBagConfig(name="t_hour", embedding_dim=3, num_embeddings=128, feature_names=["req__hour"]),
+        EmbeddingBagConfig(name="t_user", embedding_dim=2, num_embeddings=1 << 20, feature_names=["user"]),
+    ], device=torch.device("cpu"))
+    keys = ["imp__item_id", "req__hour", "user", "seq_item"]
+    b = batches[0]
+    user = b.to_kjt(["user"], per="sample")["user"].values()
+    if int(user.max()) >= 1 << 20:
+        pytest.fail("shardgen users exceed the test table")
+    got = ebc(b.to_kjt(keys, per="impression", vbe=True))
+    want = ebc(b.to_kjt(keys, per="impression"))
+    assert got.values().shape == (b.num_impressions, 4 + 4 + 3 + 2)
+    for k in keys:
+        assert torch.allclose(got[k], want[k], atol=1e-6), k
+
+
+def test_vbe_arguments(batches):
+    b = batches[0]
+    with pytest.raises(ValueError, match="per='impression'"):
+        b.to_kjt(["seq_item"], vbe=True)
+    with pytest.raises(ValueError, match="string"):
+        b.to_kjt(["req__device"], per="impression", vbe=True)
+    with pytest.raises(ValueError, match="chain_checkpoints"):
+        b.to_kjt(["chain_checkpoints"], per="impression")
+    with pytest.raises(ValueError, match="no column"):
+        b.to_kjt(["nope"], per="impression", vbe=True)
+    with pytest.raises(ValueError, match="per must be"):
+        b.to_kjt(["seq_item"], per="impressions")
