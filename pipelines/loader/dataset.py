@@ -24,6 +24,7 @@ from userwise.pipelines.errors import ArgumentError, ShardError, UserwiseError, 
 from userwise.pipelines.loader.assembly import assemble_torch
 from userwise.pipelines.loader.assembly.assemble import Prepared, empty_batch, empty_layout
 from userwise.pipelines.loader.assembly.batch import as_device
+from userwise.pipelines.loader.assembly.ids import IdRouting, route_batch
 from userwise.pipelines.loader.io import decode, gpudirect
 from userwise.pipelines.loader.io.reading import READ_AHEAD, ShardFiles, read_pool, read_row_groups
 from userwise.pipelines.loader.io.shards import VERIFY, NodeShards, open_node
@@ -95,6 +96,10 @@ class UserwiseDataset(IterableDataset):
         device: the device batches are for (only decides the GDS path; default cuda if available).
         all_reduce_targets (bool): when torch.distributed spans more ranks than this node's,
             agree on batch counts with one all-reduce (max) per epoch. Default True.
+        ids (IdRouting | None): per batch and id key, the unique ids, their inverse indices
+            and owner buckets for row-wise sharding, hot ids flagged, computed where the batch
+            is assembled (in the workers) into ``batch.meta["ids"]`` (key ->
+            :class:`~userwise.pipelines.loader.assembly.ids.RoutedIds`). Default None: not computed.
 
     ``dataset.epochs`` (:class:`~userwise.pipelines.loader.planning.epochs.Epochs`) plans this rank's
     epochs and holds where the iteration is (epoch, cursor, a loaded state); the arguments that
@@ -119,7 +124,7 @@ class UserwiseDataset(IterableDataset):
                  buffer_row_groups: int | str = "auto", split: str = "all", eval_sets: str | Sequence[str] = (),
                  eval_user_share: float = 0.0, eval_seed: int = 0, columns: Sequence[str] | None = None,
                  verify: str = "checksum", gds: bool | str = "auto", device: str | torch.device | None = None,
-                 all_reduce_targets: bool = True) -> None:
+                 all_reduce_targets: bool = True, ids: IdRouting | None = None) -> None:
         super().__init__()
         # every argument is checked before a file is opened: one ArgumentError (a ValueError) naming it
         if token_budget is None:
@@ -147,6 +152,8 @@ class UserwiseDataset(IterableDataset):
             expect(buffer_row_groups, "int>=1", "buffer_row_groups", fix="or 'auto'")
         if verify not in VERIFY:
             raise ArgumentError(f"verify must be one of {VERIFY}, got {verify!r}")
+        if ids is not None and not isinstance(ids, IdRouting):
+            raise ArgumentError(f"ids must be an IdRouting or None, got {type(ids).__name__}")
         device = as_device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._shards: NodeShards = open_node(root, node, verify=verify)
         sh = self._shards
@@ -170,6 +177,11 @@ class UserwiseDataset(IterableDataset):
                 raise ArgumentError(f"unknown columns {bad}; the shards have {names}")
             columns = [c for c in names if c in set(columns) | set(REQUIRED)]
         self.columns = columns or list(names)
+        if ids is not None:
+            bad = [k for k in ids.num_embeddings if k not in self.columns]
+            if bad:
+                raise ArgumentError(f"ids routes columns {bad} that this dataset does not read; it reads {self.columns}")
+        self.ids = ids
         self.device = device
         self.epochs = Epochs(PlanSettings(
             shards=sh, rank=rank, world_size=world_size, batch_size=batch_size, token_budget=token_budget,
@@ -320,6 +332,8 @@ class UserwiseDataset(IterableDataset):
                         else:  # device columns (GDS)
                             idx = torch.from_numpy(np.asarray(buf.perm[a:b], np.int64))
                             batch = assemble_torch.assemble(src, idx, alloc, meta)
+                    if self.ids is not None:
+                        batch.meta["ids"] = route_batch(batch, self.ids)
                     yield batch
         finally:  # stopped early (break, error): no read of this epoch outlives it
             for f in ahead:

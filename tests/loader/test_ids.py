@@ -125,3 +125,107 @@ def test_vbe_arguments(batches):
         b.to_kjt(["nope"], per="impression", vbe=True)
     with pytest.raises(ValueError, match="per must be"):
         b.to_kjt(["seq_item"], per="impressions")
+
+
+# -- point 4: deduplicated, routed batches --------------------------------------------------------
+
+ROUTE = {"seq_item": 1000, "imp__item_id": 4000, "seq_category": 7}  # seq_category: ids past the table too
+
+
+def _fbgemm_buckets(kjt, keys, tables, W):
+    """TorchRec's own bucketization (fbgemm's block_bucketize_sparse_features) of ``kjt``:
+    lengths [W, F, B], values, and the unbucketize permutation."""
+    from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
+
+    blocks = torch.tensor([-(-tables[k] // W) for k in keys])
+    out, perm = bucketize_kjt_before_all2all(kjt, W, blocks, output_permute=True)
+    return out.lengths().long().view(W, len(keys), -1).numpy(), out.values().long().numpy(), perm.long().numpy()
+
+
+@pytest.mark.parametrize("W", [3, 8])
+def test_buckets_equal_torchrecs_bucketize(batches, W):
+    from userwise.pipelines.loader.assembly.ids import IdRouting, route_batch
+
+    keys = list(ROUTE)
+    for b in batches[:4]:
+        routed = route_batch(b, IdRouting(ROUTE, world_size=W))
+        kjt = b.to_kjt(keys)
+        lengths, values, perm = _fbgemm_buckets(kjt, keys, ROUTE, W)
+        seg = lengths.sum(axis=2)  # [W, F] values per (rank, key), laid out rank-major then key
+        seg_start = np.concatenate([[0], np.cumsum(seg.ravel())])[:-1].reshape(W, len(keys))
+        key_off = np.concatenate([[0], np.cumsum([kjt[k].values().numel() for k in keys])])
+        for f, k in enumerate(keys):
+            r = routed[k]
+            assert r.block_size == -(-ROUTE[k] // W)
+            mine = r.bucket_lengths.reshape(W, -1)
+            assert np.array_equal(mine, lengths[:, f, :]), k
+            own_start = np.concatenate([[0], np.cumsum(mine.sum(axis=1))])
+            for w in range(W):
+                got = r.bucket_values[own_start[w]:own_start[w + 1]]
+                assert np.array_equal(got, values[seg_start[w, f]:seg_start[w, f] + seg[w, f]]), (k, w)
+            # each value's place: fbgemm's global permutation restated through ours
+            v = kjt[k].values().long().numpy()
+            blk = r.block_size
+            owner = np.where(v < blk * W, v // blk, v % W)
+            want = perm[key_off[f]:key_off[f + 1]]
+            assert np.array_equal(seg_start[owner, f] + r.unbucketize_permute - own_start[owner], want), k
+        assert (kjt["seq_category"].values() >= ROUTE["seq_category"]).any()  # the overflow rule was exercised
+
+
+def test_unique_inverse_and_hot_flags(batches):
+    from userwise.pipelines.loader.assembly.ids import IdRouting, route_batch
+
+    for b in batches[:4]:
+        items = b.to_kjt(["seq_item"], per="impression").values().numpy()  # each impression's history: repeats
+        hot = np.unique(items)[::3][:5]
+        r = route_batch(b, IdRouting({"seq_item": 1000}, world_size=4, hot={"seq_item": np.append(hot, 10**9)},
+                                     per="impression"))
+        r = r["seq_item"]
+        assert np.array_equal(r.unique[r.inverse], items)
+        assert np.array_equal(r.unique, np.unique(items)) and len(r.unique) < len(items)
+        assert np.array_equal(r.hot, np.isin(r.unique, hot)) and r.hot.sum() == len(hot)
+        own = np.where(r.unique < r.block_size * 4, r.unique // r.block_size, r.unique % 4)
+        assert np.array_equal(r.owner, own)
+        assert np.array_equal(r.sends, np.bincount(own[~r.hot], minlength=4))
+
+
+def test_workers_route_every_batch(root):
+    """ids= computes the routing in the worker processes; it rides in batch.meta["ids"] and
+    equals the routing of the batch the trainer got."""
+    from userwise.pipelines.loader.assembly.ids import IdRouting, RoutedIds, route_batch
+
+    routing = IdRouting({"seq_item": 1000, "imp__item_id": 4000}, world_size=8, hot={"imp__item_id": [1, 2, 3]},
+                        per="impression")
+    got = list(UserwiseLoader(UserwiseDataset(root, batch_size=12, world_size=1, rank=0, ids=routing),
+                              num_workers=2))
+    assert len(got) > 2
+    for b in got:
+        routed = b.meta["ids"]
+        assert set(routed) == {"seq_item", "imp__item_id"}
+        want = route_batch(b, routing)
+        for k, r in routed.items():
+            assert isinstance(r, RoutedIds)
+            for name in ("unique", "inverse", "owner", "hot", "bucket_lengths", "bucket_values", "unbucketize_permute"):
+                assert np.array_equal(getattr(r, name), getattr(want[k], name)), (k, name)
+        assert len(routed["seq_item"].inverse) == int(b.to_kjt(["seq_item"], per="impression").values().numel())
+    plain = next(iter(UserwiseLoader(UserwiseDataset(root, batch_size=12, world_size=1, rank=0))))
+    assert "ids" not in plain.meta
+
+
+def test_routing_arguments(root):
+    from userwise.pipelines.loader.assembly.ids import IdRouting, route_ids
+
+    with pytest.raises(ValueError, match="world_size"):
+        IdRouting({"seq_item": 10}, world_size=0)
+    with pytest.raises(ValueError, match="num_embeddings"):
+        IdRouting({"seq_item": 0}, world_size=2)
+    with pytest.raises(ValueError, match="hot has keys"):
+        IdRouting({"seq_item": 10}, world_size=2, hot={"imp__item_id": [1]})
+    with pytest.raises(ValueError, match="per must be"):
+        IdRouting({"seq_item": 10}, world_size=2, per="bag")
+    with pytest.raises(ValueError, match="does not read"):
+        UserwiseDataset(root, world_size=1, rank=0, ids=IdRouting({"nope": 10}, world_size=2))
+    with pytest.raises(ValueError, match="IdRouting"):
+        UserwiseDataset(root, world_size=1, rank=0, ids={"seq_item": 10})
+    with pytest.raises(ValueError, match=">= 0"):
+        route_ids(np.array([-1]), np.array([1]), num_embeddings=10, world_size=2)
