@@ -372,6 +372,11 @@ def main(argv=None) -> int:
             m = model(log, L=L, cap=cap, as_of_ms=as_of, days=args.incremental_days, window_days=args.window_days,
                       lag_ms=args.lag_ms)
             c = costs(m, w, args.nodes)
+            # option 2's state: a node holds each of its users' newest L events (as of the last day)
+            users = np.unique(log["req_user"][log["req_ts"] >= as_of - args.incremental_days * DAY_MS])
+            ev_n = dict(zip(*np.unique(log["ev_user"][log["ev_ts"] < as_of - args.lag_ms], return_counts=True)))
+            c["sticky_resident_bytes_per_user"] = (float(np.mean([min(L, int(ev_n.get(u, 0))) for u in users]))
+                                                   * w["bytes"]["event"] if len(users) else 0.0)
             run = {k: m[k] for k in ("L", "max_sample_cost", "stored_events", "distinct_events", "log_events",
                                      "own_events", "stored_over_distinct", "stored_over_log")}
             run.update({k: v for k, v in c.items() if k != "per_day"})
