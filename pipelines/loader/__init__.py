@@ -3,7 +3,7 @@
 Public names::
 
     from userwise.pipelines.loader import (UserwiseDataset, UserwiseLoader, LoaderStats, JaggedBatch,
-                                           expand_batch, LoaderStateError, WorkerError)
+                                           expand_batch, IdRouting, RoutedIds, LoaderStateError, WorkerError)
 
 - :class:`UserwiseDataset`: iterable dataset over one node's shards (rank /
   worker split, equal batch counts per rank, seeded shuffle, holdout).
@@ -15,6 +15,9 @@ Public names::
 - :class:`JaggedBatch`: one batch in one buffer (``to``, ``pin_memory``,
   ``record_stream``, ``to_kjt``).
 - :func:`expand_batch`: a batch back to point-wise rows (pyarrow.Table).
+- :class:`IdRouting`: the dataset's ``ids=``: which id keys the workers deduplicate and route
+  over how many ranks, with which hot ids; :class:`RoutedIds`: one key's result in
+  ``batch.meta["ids"]``.
 - :class:`LoaderStateError`: a saved loader state that does not fit this loader (a
   ``UserwiseError`` and a ``ValueError``, as every error a loader argument can cause:
   :class:`~userwise.pipelines.errors.ArgumentError`).
@@ -49,7 +52,9 @@ Never imports pyspark.
 
 from userwise.pipelines.errors import LoaderStateError, WorkerError
 from userwise.pipelines.loader.assembly.batch import JaggedBatch, expand_batch
+from userwise.pipelines.loader.assembly.ids import IdRouting, RoutedIds
 from userwise.pipelines.loader.dataset import UserwiseDataset
 from userwise.pipelines.loader.loader import LoaderStats, UserwiseLoader
 
-__all__ = ["UserwiseDataset", "UserwiseLoader", "LoaderStats", "JaggedBatch", "expand_batch", "LoaderStateError", "WorkerError"]
+__all__ = ["UserwiseDataset", "UserwiseLoader", "LoaderStats", "JaggedBatch", "expand_batch", "IdRouting", "RoutedIds",
+           "LoaderStateError", "WorkerError"]

@@ -2,7 +2,10 @@
 
 Modules:
 
-- ``batch``: ``JaggedBatch`` (one buffer plus its layout) and ``expand_batch``.
+- ``batch``: ``JaggedBatch`` (one buffer plus its layout, ``to_kjt`` with TorchRec's
+  variable-batch form) and ``expand_batch``.
+- ``ids``: a batch's ids deduplicated and bucketed by owner for row-wise sharding, hot ids
+  flagged (``IdRouting``, ``route_ids``; the dataset's ``ids=`` runs it in the workers).
 - ``buffer_layout``: where every array of a batch sits in its one buffer, once per schema.
 - ``stacked``: a host buffer's columns stacked per group and shuffled once.
 - ``program``: the compiled assembler's two kernel calls per batch.
