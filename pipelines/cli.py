@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["USERWISE_VERBOSE"] = "1"
     from userwise.pipelines.runtime import progress
 
-    progress.QUIET = args.quiet
+    quiet_before, progress.QUIET = progress.QUIET, args.quiet
     console.JSON = args.json
     target = COMMANDS[args.command][2]
     mod, fn = target.split(":")
@@ -548,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
         console.JSON = False
+        progress.QUIET = quiet_before  # a command's --quiet ends with it (main runs in-process in tests)
     return int(rc or EXIT_OK)
 
 

@@ -35,3 +35,13 @@ def test_the_check_finds_a_module_left_out(tmp_path):
     (tmp_path / "a.py").write_text("")
     (tmp_path / "b.py").write_text("")
     assert missing(tmp_path) == ["b"]
+
+
+def test_pyproject_installs_every_package():
+    """A package pyproject does not list is missing from the wheel, the editable install of a clean
+    clone and the zip shipped to executors (``userwise.pipelines.api`` was, for a while)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    want = {"userwise." + ".".join(p.relative_to(ROOT).parts) for p in PACKAGES}
+    assert sorted(want - listed) == []
