@@ -9,18 +9,15 @@ import sys
 import pytest
 import torch
 
+from tests.support.shard_sets import one_day_set
 from userwise.pipelines.cli import main
-from userwise.pipelines.tools.shardgen import write_shard_set
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("diag"))
-    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=16,
-                    sets=(("incremental", "2026-01-04", "2026-01-05", 60),))
-    return root
+    return one_day_set(str(tmp_path_factory.mktemp("diag")))
 
 
 def test_diagnose_runs_three_steps_and_names_the_bottleneck(staged, capsys):

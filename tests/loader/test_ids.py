@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.shard_sets import one_day_set
 from userwise.pipelines.jagged import np_offsets, np_ranges
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader, expand_batch
-from userwise.pipelines.tools.shardgen import write_shard_set
 
 torchrec = pytest.importorskip("torchrec")  # installed (torchrec 1.8 + fbgemm-gpu-cpu 1.8) per the lock files
 
@@ -19,10 +19,7 @@ KEYS = ["imp__item_id", "imp__category", "req__hour", "req__age_bucket", "user",
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ids"))
-    write_shard_set(root, nodes=1, ranks_per_node=1, row_group_rows=16,
-                    sets=(("incremental", "2026-01-04", "2026-01-05", 60),))
-    return root
+    return one_day_set(str(tmp_path_factory.mktemp("ids")))
 
 
 @pytest.fixture(scope="module")

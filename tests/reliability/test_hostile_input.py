@@ -32,7 +32,6 @@ from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.loader.planning.resume import LoaderStateError
 from userwise.pipelines.records.writer_lock import FolderLock, LockedError, WriterLock
 from userwise.pipelines.shards import stage
-from userwise.pipelines.tools.shardgen import build_samples
 
 PY = sys.executable
 QUIET = open(os.devnull, "w")
@@ -51,15 +50,10 @@ def one_error(r, *needles):
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def table():
-    return build_samples(seed=4, users=8, bot_chunks=1, windows=1)
-
-
 @pytest.fixture
-def shards(tmp_path, table):
+def shards(tmp_path):
     """``tmp/S``: a one-node shard set of two small shards."""
-    return one_node_set(table, str(tmp_path / "S"))
+    return one_node_set(str(tmp_path / "S"), seed=4, users=8, bot_chunks=1, windows=1)
 
 
 def edit(root, fn):

@@ -13,14 +13,14 @@ import os
 
 import pytest
 
-from tests.reliability.test_hostile_input import cli, one_error, table, tree  # noqa: F401 (fixture)
+from tests.reliability.test_hostile_input import cli, one_error, tree
 from userwise import schemas
 from userwise.pipelines import cli as userwise_cli
 from userwise.pipelines.config import ConfigError, safe_yaml
 from userwise.pipelines.errors import ArgumentError, UserwiseError
 from userwise.pipelines.shards import preshard
 from userwise.pipelines.tools import synth as Y
-from userwise.pipelines.tools.shardgen import layout
+from userwise.pipelines.tools.shardgen import build_samples, layout
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,8 @@ def test_preshard_target_shard_mb_must_be_a_finite_size(tmp_path, value):
 
 @pytest.mark.parametrize("kw", [dict(target_shard_mb=math.nan), dict(target_shard_mb=math.inf),
                                 dict(target_shard_mb=-1.0), dict(row_group_mb=math.nan)])
-def test_preshard_arrow_refuses_a_size_that_is_not_one(table, tmp_path, kw):  # noqa: F811
+def test_preshard_arrow_refuses_a_size_that_is_not_one(tmp_path, kw):
+    table = build_samples(seed=4, users=8, bot_chunks=1, windows=1)
     out = tmp_path / "S"
     with pytest.raises(ArgumentError, match="--target-shard-mb|--row-group-mb"):
         preshard.preshard_arrow(table, str(out), schema=schemas.shard_schema(layout()).to_arrow(), nodes=1,

@@ -31,20 +31,14 @@ from userwise.pipelines.errors import ArgumentError, ShardError
 from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
 from userwise.pipelines.loader import loader as loader_mod
 from userwise.pipelines.shards import manifest as mf
-from userwise.pipelines.tools.shardgen import build_samples
 
 KW = dict(batch_size=8, seed=1, device="cpu", buffer_row_groups=2)
 
 
-@pytest.fixture(scope="module")
-def table():
-    return build_samples(seed=4, users=24, bot_chunks=4, windows=2)
-
-
 @pytest.fixture
-def shards(tmp_path, table):
+def shards(tmp_path):
     """``tmp/S``: a one-node, one-rank shard set whose shards have several row groups of 16 rows."""
-    return one_node_set(table, str(tmp_path / "S"))
+    return one_node_set(str(tmp_path / "S"), seed=4, users=24, bot_chunks=4, windows=2)
 
 
 def batches(root, verify, workers=0):

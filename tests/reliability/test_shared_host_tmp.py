@@ -35,7 +35,7 @@ from userwise.pipelines.shards import stage
 OTHER_UID = 65534  # nobody
 
 # the hostile-input tests' shard set: one node, two small shards, no Spark
-table, shards = hostile.table, hostile.shards
+shards = hostile.shards
 
 
 @pytest.fixture
