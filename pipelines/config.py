@@ -42,6 +42,9 @@ COLUMN_ROLES = {
     "item_features": "list",
     "context_features": "list",
     "user_features": "list",
+    # the features (of item_features, context_features, user_features) whose values are ids,
+    # each looked up in an embedding table: the build counts them (id_stats) like the item
+    "id_features": "list",
     "sequence": "dict",
     "actions": "dict",
 }
@@ -76,7 +79,18 @@ TOP_KEYS = {
     # events per block of the event chain every sample carries (schemas.hashing): a serving
     # cache verifies its K/V against it in blocks of this many events (its page size)
     "chain_block": 64,
+    # the id statistics' hot / warm / cold split (id_stats): per id column and set, the
+    # most looked-up ids fill the hot budget (kept data-parallel on every GPU), the next the
+    # warm one (sharded in GPU memory), the rest are cold (CPU memory or SSD). A budget is a
+    # number of ids or bytes with their unit (B, KiB, MiB, GiB, TiB) of rows of embedding_dim
+    # values of embedding_bytes each
+    "hot_budget": "256MiB",
+    "warm_budget": "16GiB",
+    "embedding_dim": 128,
+    "embedding_bytes": 4,
 }
+# the units a budget in bytes may be written in
+BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 # the units availability_lag may be written in, in microseconds
 DURATION_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000, "m": 60_000_000, "h": 3_600_000_000, "d": 86_400_000_000}
 
@@ -105,6 +119,10 @@ class Config:
     skew_bucket_seconds: int = 3600
     availability_lag: int | str = 0
     chain_block: int = 64
+    hot_budget: int | str = "256MiB"
+    warm_budget: int | str = "16GiB"
+    embedding_dim: int = 128
+    embedding_bytes: int = 4
     actions: ActionsConfig | None = None
     source: str | None = field(default=None, compare=False)
 
@@ -126,6 +144,22 @@ class Config:
     @property
     def action_labels(self) -> tuple[str, ...]:
         return self.cols("action_labels") or self.cols("labels")
+
+    @property
+    def id_columns(self) -> tuple[tuple[str, str], ...]:
+        """The id columns the build counts (``id_stats``), as (role, column): the item, then
+        every feature listed in ``columns.id_features``, by role."""
+        ids = set(self.cols("id_features"))
+        out = [("item", self.col("item"))]
+        for role in ("item_features", "context_features", "user_features"):
+            out += [(role[:-1], c) for c in self.cols(role) if c in ids]
+        return tuple(out)
+
+    @property
+    def budget_ids(self) -> tuple[int, int]:
+        """The hot and warm budgets in ids (:func:`budget_ids`)."""
+        return (budget_ids(self.hot_budget, self.embedding_dim, self.embedding_bytes, "hot_budget"),
+                budget_ids(self.warm_budget, self.embedding_dim, self.embedding_bytes, "warm_budget"))
 
     @property
     def units_per_second(self) -> int:
@@ -253,6 +287,24 @@ def duration_units(value: Any, time_unit: str) -> int:
     return micros // per
 
 
+def budget_ids(value: Any, dim: int, value_bytes: int, key: str = "hot_budget") -> int:
+    """A budget of the id statistics' split in ids: a whole number is ids; a string is bytes
+    with their unit (:data:`BYTE_UNITS`), rows of ``dim`` values of ``value_bytes`` bytes each
+    (rounded down). ConfigError naming ``key`` when it is neither.
+
+    Example::
+
+        budget_ids("1MiB", 128, 4)     # 2048 rows of 512 bytes
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]+)\s*", value) if isinstance(value, str) else None
+    if m is None or m.group(2) not in BYTE_UNITS:
+        raise ConfigError(key, f"expected a number of ids or bytes with their unit ({', '.join(BYTE_UNITS)}), "
+                          f"e.g. 100000 or 256MiB; found {short(value)}")
+    return int(m.group(1)) * BYTE_UNITS[m.group(2)] // (dim * value_bytes)
+
+
 def day_start(date, ups: int) -> int:
     """Epoch time (time units) of a UTC date's midnight."""
     return (date - dt.date(1970, 1, 1)).days * SECONDS_PER_DAY * ups
@@ -315,7 +367,7 @@ def parse(raw: Any, source: str | None = None) -> Config:
     if opts["time_unit"] not in TIME_UNITS:
         raise ConfigError("time_unit", f"{opts['time_unit']!r} is not one of {', '.join(TIME_UNITS)}")
     for k in ("max_seq_len", "history_length", "max_sample_cost", "seed", "min_year", "max_year",
-              "skew_bucket_seconds", "chain_block"):
+              "skew_bucket_seconds", "chain_block", "embedding_dim", "embedding_bytes"):
         if k == "max_year" and opts[k] is None:
             continue
         if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 0:
@@ -350,6 +402,16 @@ def parse(raw: Any, source: str | None = None) -> Config:
         raise ConfigError("skew_bucket_seconds", "must be at least 1")
     if opts["chain_block"] < 1:
         raise ConfigError("chain_block", "must be at least 1 (events per block of the event chain)")
+    for k in ("embedding_dim", "embedding_bytes"):
+        if opts[k] < 1:
+            raise ConfigError(k, "must be at least 1")
+    for k in ("hot_budget", "warm_budget"):
+        budget_ids(opts[k], opts["embedding_dim"], opts["embedding_bytes"], k)
+    features = {c for r in ("item_features", "context_features", "user_features") for c in cols.get(r) or ()}
+    for i, c in enumerate(cols.get("id_features") or ()):
+        if c not in features:
+            raise ConfigError(f"columns.id_features[{i}]", f"{c!r} is not one of item_features, context_features "
+                              "or user_features; list a feature column (the item is always counted)")
     lag = duration_units(opts["availability_lag"], opts["time_unit"])
     seq = cols.get("sequence")
     if seq is not None:
@@ -569,6 +631,13 @@ def check_columns(cfg: Config, schema: pa.Schema) -> None:
         if c is not None and not _id_like(_plain(schema.field(c).type)):
             raise ConfigError(f"columns.{role}", f"column {c!r} is {schema.field(c).type}; an id must be an integer "
                               "or a string column")
+    for i, c in enumerate(cfg.cols("id_features")):
+        t = _plain(schema.field(c).type)
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = _plain(t.value_type)
+        if not _id_like(t):
+            raise ConfigError(f"columns.id_features[{i}]", f"column {c!r} is {schema.field(c).type}; an id feature "
+                              "must be an integer or string column, or a list of them")
     if cfg.col("position") and not pa.types.is_integer(schema.field(cfg.col("position")).type):
         raise ConfigError("columns.position", f"column {cfg.col('position')!r} must be an integer column")
     used: dict[str, str] = {}

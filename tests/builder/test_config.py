@@ -48,6 +48,10 @@ def test_valid_lean_and_fat():
     (lambda c: c.update(availability_lag="500ms", time_unit="s"), "availability_lag", "time_unit s"),
     (lambda c: c.update(chain_block=0), "chain_block", "at least 1"),
     (lambda c: c.update(chain_block="64"), "chain_block", "non-negative integer"),
+    (lambda c: c["columns"].update(id_features=["score"]), "columns.id_features[0]", "not one of item_features"),
+    (lambda c: c.update(hot_budget="3GB"), "hot_budget", "bytes with their unit"),
+    (lambda c: c.update(warm_budget=-1), "warm_budget", "number of ids"),
+    (lambda c: c.update(embedding_dim=0), "embedding_dim", "at least 1"),
 ])
 def test_bad_config_names_the_key(mutate, key, words):
     c = copy.deepcopy(LEAN_CFG)
@@ -74,6 +78,20 @@ def test_availability_lag_and_chain_block():
     assert C.parse({**fat_cfg(), "availability_lag": 0}).lag_units == 0
 
 
+def test_id_columns_and_budgets():
+    """The item is always an id column; a feature is one when columns.id_features lists it
+    (by role, in the roles' order); a budget is ids, or bytes of rows of embedding_dim x
+    embedding_bytes (the defaults: 256 MiB and 16 GiB of 128 float32s)."""
+    c = C.parse(cfg(col_id_features=["country", "category", "device"]))
+    assert c.id_columns == (("item", "item_id"), ("item_feature", "category"), ("context_feature", "device"),
+                            ("user_feature", "country"))
+    assert C.parse(LEAN_CFG).id_columns == (("item", "item_id"),)
+    assert C.parse(LEAN_CFG).budget_ids == (256 * 2**20 // 512, 16 * 2**30 // 512)
+    c = C.parse(cfg(hot_budget=10, warm_budget="1KiB", embedding_dim=16, embedding_bytes=2))
+    assert c.budget_ids == (10, 32)
+    assert C.parse(c.to_dict()) == c
+
+
 @pytest.mark.parametrize("mutate,key,words", [
     (lambda c: c["columns"].update(item="itm_id"), "columns.item", "not in the input"),
     (lambda c: c["columns"].update(labels=["click", "device"]), "columns.labels[1]", "not numeric"),
@@ -81,6 +99,8 @@ def test_availability_lag_and_chain_block():
     (lambda c: c["columns"].update(sequence={"item": "item_id", "time": "request_ts"}),
      "columns.sequence.item", "not a list column"),
     (lambda c: c["columns"].update(user="score"), "columns.user", "an id must be an integer or a string"),
+    (lambda c: c["columns"].update(item_features=["category", "score"], id_features=["score"]),
+     "columns.id_features[0]", "an id feature must be an integer or string"),
 ])
 def test_config_against_input(mutate, key, words):
     c = copy.deepcopy(LEAN_CFG)
