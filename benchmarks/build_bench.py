@@ -991,6 +991,208 @@ def sparse_section(spark, work: str, args) -> dict:
 
 
 # ---------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------
+# The length section: the build against the point-wise job by L, one process per L
+# ---------------------------------------------------------------------------
+LENGTHS = (50, 200, 1000, 2000, 4000)
+LENGTH_TARGETS = {1000: 0.5, 4000: 0.25}  # the build at most this share of the point-wise job at L
+TRAINING_ORDER_ROWS = 30000  # fat rows in training order: bytes measured on this many random rows, scaled
+
+
+def length_log(work: str, args) -> dict:
+    """The production-shaped log of the length section (``synth --shape production``: weeks of
+    action log before ``--length-days`` days of impressions), made once, not timed."""
+    from userwise.pipelines.tools.synth import synth
+
+    out = os.path.join(work, "length-log")
+    s = synth(out, start="2026-01-01", days=args.length_days, users=args.length_users, shape="production",
+              history_days=args.length_history_days, kinds=("lean", "actions"), seed=args.seed,
+              log=io.StringIO())
+    s["input"], s["actions"] = os.path.join(out, "lean"), os.path.join(out, "actions")
+    s["cfg_path"] = os.path.join(out, "config.yaml")
+    s["impressions"] = sum(s["rows"]["lean"].values())
+    return s
+
+
+def length_config(cfg_path: str, L: int):
+    """The log's config at max_seq_len L, with the caps that scale with it (history 2 L, sample
+    cost 20 L, docs/design/repeated-bases.md), so no L meets a cap the others do not."""
+    import yaml
+
+    from userwise.pipelines import config as C
+
+    with open(cfg_path) as f:
+        raw = yaml.safe_load(f)
+    raw.update(max_seq_len=L, history_length=max(2 * L, 2000), max_sample_cost=max(20 * L, 20000))
+    return C.parse(raw, source=cfg_path)
+
+
+def _seq_events(df) -> int:
+    """Events stored in a table's sequence lists (one list per event: its first ``seq_`` column)."""
+    from pyspark.sql import functions as F
+
+    from userwise.schemas import SEQ
+
+    col = next(c for c in df.columns if c.startswith(SEQ))
+    return int(df.select(F.sum(F.size(F.coalesce(F.col(col), F.array())))).first()[0] or 0)
+
+
+def length_one(args) -> dict:
+    """One L in its own process (``--length-one``): floor, point-wise job and build on the
+    section's log, timed side by side in one Spark session; bytes and stored events of each."""
+    from pyspark.sql import functions as F
+
+    from userwise.pipelines.runtime.spark import get_spark
+
+    L = args.length_one
+    with open(args.length_log) as f:
+        log = json.load(f)
+    conf = dict(kv.split("=", 1) for kv in args.conf)
+    spark = get_spark(ui=False, conf=conf or None)
+    work = os.path.join(args.workdir, f"L{L}")
+    os.makedirs(work, exist_ok=True)
+    cfg = length_config(log["cfg_path"], L)
+    as_of, m = as_of_after(log), log["args"]["days"] - 1
+    r = {"L": L, "impressions": log["impressions"], "m": m, "n": 1}
+    floor_out, pw_out, b_out = (os.path.join(work, x) for x in ("floor", "pointwise", "build"))
+    r["floor_s"] = round(floor_run(spark, [log["input"], log["actions"]], floor_out), 2)
+    r["floor_bytes"] = dir_bytes(floor_out)
+    shutil.rmtree(floor_out, ignore_errors=True)
+    print(f"  L={L}: floor {r['floor_s']:.1f} s", flush=True)
+    r["pointwise_s"] = round(pointwise_run(spark, cfg, log, pw_out), 2)
+    print(f"  L={L}: point-wise job {r['pointwise_s']:.1f} s", flush=True)
+    r["build_s"] = round(build_run(spark, cfg, log, b_out, as_of, m, 1)[0], 2)
+    print(f"  L={L}: build {r['build_s']:.1f} s", flush=True)
+    r["ratio"] = round(r["build_s"] / r["pointwise_s"], 3)
+    # bytes written: the point-wise job's fat rows; the build's tables (data files, every table)
+    fat = spark.read.parquet(pw_out)
+    r["fat_rows"] = fat.count()
+    r["pointwise_bytes"] = dir_bytes(pw_out)
+    r["build_bytes"] = dir_bytes(b_out)
+    r["samples_bytes"] = dir_bytes(os.path.join(b_out, "samples"))
+    # fat rows in training order (shuffled, as a trainer reads them): a random sample of rows
+    # written in random order, scaled to all rows (shuffled rows share nothing with their neighbours)
+    frac = min(1.0, TRAINING_ORDER_ROWS / max(r["fat_rows"], 1))
+    tr_out = os.path.join(work, "training_order")
+    part = fat.sample(fraction=frac, seed=args.seed)
+    part.orderBy(F.rand(args.seed)).write.mode("overwrite").parquet(tr_out)
+    tr_rows = spark.read.parquet(tr_out).count()
+    r["training_order_sample_rows"] = tr_rows
+    r["fat_training_order_bytes"] = int(dir_bytes(tr_out) * r["fat_rows"] / max(tr_rows, 1))
+    shutil.rmtree(tr_out, ignore_errors=True)
+    # stored events: the fat rows' histories, the samples' streams; distinct events: the events table
+    r["fat_events"] = _seq_events(fat)
+    r["samples_events"] = _seq_events(spark.read.format("delta").load(os.path.join(b_out, "samples")))
+    r["distinct_events"] = spark.read.format("delta").load(os.path.join(b_out, "events")).count()
+    r["samples_vs_distinct"] = round(r["samples_events"] / max(r["distinct_events"], 1), 2)
+    r["fat_vs_distinct"] = round(r["fat_events"] / max(r["distinct_events"], 1), 2)
+    r["fat_written_vs_samples"] = round(r["pointwise_bytes"] / max(r["samples_bytes"], 1), 1)
+    r["fat_training_vs_samples"] = round(r["fat_training_order_bytes"] / max(r["samples_bytes"], 1), 1)
+    spark.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    return r
+
+
+def crossover(rows: list[dict]) -> float | None:
+    """The L where build / job crosses 1, interpolated in log L between the two lengths around it
+    (None when every length is on one side)."""
+    pts = sorted((x["L"], x["ratio"]) for x in rows if x.get("ratio"))
+    for (l0, r0), (l1, r1) in zip(pts, pts[1:]):
+        if (r0 - 1) * (r1 - 1) <= 0 and r0 != r1:
+            a = (r0 - 1) / (r0 - r1)
+            return float(np.exp(np.log(l0) + a * (np.log(l1) - np.log(l0))))
+    return None
+
+
+def length_section(work: str, args) -> dict:
+    """The log once, then one process per L (``--lengths``): the build against the point-wise job."""
+    import subprocess
+
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    log = length_log(work, args)
+    from userwise.pipelines.tools.synth import shape_line
+
+    print(f"  log: {log['impressions']:,} impressions, {log['args']['days']} days after {log['args']['history_days']} "
+          f"days of action log; {shape_line(log['measured'])}", flush=True)
+    log_json = os.path.join(work, "length-log.json")
+    with open(log_json, "w") as f:
+        json.dump(log, f, default=str)
+    rows = []
+    for L in lengths:
+        out = os.path.join(work, f"length-{L}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--length-one", str(L), "--length-log", log_json,
+               "--length-out", out, "--workdir", work, "--seed", str(args.seed)]
+        for kv in args.conf:
+            cmd += ["--conf", kv]
+        t = time.perf_counter()
+        p = subprocess.run(cmd)
+        if p.returncode != 0:
+            raise RuntimeError(f"the L={L} process failed (exit {p.returncode})")
+        with open(out) as f:
+            x = json.load(f)
+        x["process_s"] = round(time.perf_counter() - t, 1)
+        rows.append(x)
+    print(f"\n{'L':>6} {'floor s':>8} {'job s':>8} {'build s':>8} {'build/job':>9} {'job GB':>7} {'build GB':>8} "
+          f"{'fat/samples':>11} {'(training)':>10} {'fat ev/dist':>11} {'samples ev/dist':>15}")
+    for x in rows:
+        print(f"{x['L']:>6} {x['floor_s']:>8.1f} {x['pointwise_s']:>8.1f} {x['build_s']:>8.1f} {x['ratio']:>9.2f} "
+              f"{x['pointwise_bytes'] / 1e9:>7.2f} {x['build_bytes'] / 1e9:>8.2f} {x['fat_written_vs_samples']:>10.1f}x "
+              f"{x['fat_training_vs_samples']:>9.1f}x {x['fat_vs_distinct']:>11.1f} {x['samples_vs_distinct']:>15.2f}")
+    cross = crossover(rows)
+    print(f"  crossover: the build costs less than the point-wise job from L = "
+          f"{'%.0f' % cross if cross else 'n/a'}", flush=True)
+    verdicts = []
+    by_l = {x["L"]: x for x in rows}
+    for L, target in LENGTH_TARGETS.items():
+        if L in by_l:
+            x = by_l[L]
+            verdicts.append(verdict(f"length L={L}", x["ratio"] <= target,
+                                    f"build {x['build_s']:.1f} s = {x['ratio']:.2f}x the point-wise job "
+                                    f"{x['pointwise_s']:.1f} s (target <= {target}x)"))
+    return {"log": {k: log.get(k) for k in ("impressions", "measured", "rows", "users", "bot_user_id")},
+            "lengths": rows, "crossover_L": None if cross is None else round(cross), "verdicts": verdicts}
+
+
+def plot_length(sec: dict, path: str) -> None:
+    """The build against the point-wise job by L: seconds of each (log-log) and their ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(sec["lengths"], key=lambda x: x["L"])
+    Ls = [x["L"] for x in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(Ls, [x["pointwise_s"] for x in rows], "o-", color="tab:red", label="point-wise job (fat rows)")
+    a.plot(Ls, [x["build_s"] for x in rows], "o-", color="tab:blue", label="userwise build")
+    a.plot(Ls, [x["floor_s"] for x in rows], "o--", color="gray", label="floor (read + write the log)")
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlabel("max_seq_len L")
+    a.set_ylabel("wall time, s")
+    imps = rows[0]["impressions"] if rows else 0
+    a.set_title(f"{imps:,} impressions, production-shaped histories")
+    a.legend()
+    b.plot(Ls, [x["ratio"] for x in rows], "o-", color="tab:blue", label="build / point-wise job (time)")
+    b.plot(Ls, [1 / x["fat_training_vs_samples"] for x in rows], "s--", color="tab:green",
+           label="samples / fat rows in training order (bytes)")
+    b.axhline(1.0, color="gray", lw=0.8)
+    for L, t in LENGTH_TARGETS.items():
+        b.plot([L], [t], "v", color="black")
+    if sec.get("crossover_L"):
+        b.axvline(sec["crossover_L"], color="tab:blue", ls=":", lw=0.8)
+        b.annotate(f"crossover L ~ {sec['crossover_L']}", (sec["crossover_L"], 1.05), fontsize=8)
+    b.set_xscale("log")
+    b.set_yscale("log")
+    b.set_xlabel("max_seq_len L")
+    b.set_title("ratio (targets: triangles)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
 
@@ -1078,7 +1280,7 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-SECTIONS = ("days", "impression", "skew", "sparse")
+SECTIONS = ("length", "days", "impression", "skew", "sparse")
 
 
 def warm_up(spark, work: str, args, kinds: list[str]) -> None:
@@ -1123,6 +1325,16 @@ def main(argv=None) -> int:
     p.add_argument("--sparse-users", type=int, default=1000)
     p.add_argument("--sparse-kind", default="lean", choices=("lean", "fat"))
     p.add_argument("--sparse-mn", default="2,1", help="M,N of the sparse builds")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                   help="length section: comma list of max_seq_len L, each measured in its own process")
+    p.add_argument("--length-users", type=int, default=500, help="length section: users of the log")
+    p.add_argument("--length-days", type=int, default=7,
+                   help="length section: days of impressions (M = days - 1, N = 1)")
+    p.add_argument("--length-history-days", type=int, default=53,
+                   help="length section: days of action log before the impressions")
+    p.add_argument("--length-one", type=int, default=None, help=argparse.SUPPRESS)  # the process of one L
+    p.add_argument("--length-log", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--length-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-seq-len", type=int, default=50)
     p.add_argument("--reps", type=int, default=1, help="runs of each per size (the minimum is reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -1137,10 +1349,17 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="default benchmarks/results/build_bench.png")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    if args.length_one is not None:  # one L of the length section, in its own process and Spark session
+        r = length_one(args)
+        with open(args.length_out, "w") as f:
+            json.dump(r, f)
+        return 0
     if args.quick:
         args.sizes, args.fat_sizes = "20000,40000,80000", args.fat_sizes or "20000,40000,80000"
         args.days_impressions, args.sparse_impressions, args.sparse_spans = 20000, 5000, "100,1000"
         args.sparse_users = min(args.sparse_users, 100)
+        args.length_users, args.length_days, args.length_history_days = 40, 3, 10
+        args.lengths = args.lengths if args.lengths != ",".join(map(str, LENGTHS)) else "50,200,1000"
         tmp = tempfile.gettempdir()
         args.json = args.json or os.path.join(tmp, "build_bench_quick.json")
         args.plot = args.plot or os.path.join(tmp, "build_bench_quick.png")
@@ -1176,13 +1395,26 @@ def main(argv=None) -> int:
     ui = not args.no_ui
     conf = {"spark.ui.retainedJobs": "20000", "spark.ui.retainedStages": "50000"}
     conf.update(kv.split("=", 1) for kv in args.conf)
-    spark = get_spark(ui=ui, conf=conf)
-    args.cores = spark.sparkContext.defaultParallelism if spark.sparkContext.master.startswith("local[") else os.cpu_count()
-    master = spark.sparkContext.master
-    if master.startswith("local[") and master[6:-1].isdigit():
-        args.cores = int(master[6:-1])
-    print(f"build bench: sections {', '.join(sections)}, master {master} ({args.cores} cores), workdir {work}",
-          flush=True)
+    spark = None  # started for the first section that runs in this process (the length section runs its own)
+
+    def session():
+        nonlocal spark
+        if spark is None:
+            spark = get_spark(ui=ui, conf=conf)
+            master = spark.sparkContext.master
+            args.cores = spark.sparkContext.defaultParallelism if master.startswith("local[") else os.cpu_count()
+            if master.startswith("local[") and master[6:-1].isdigit():
+                args.cores = int(master[6:-1])
+            res.update({"master": master, "cores": args.cores})
+            print(f"build bench: master {master} ({args.cores} cores), workdir {work}", flush=True)
+            if not args.no_warmup:
+                used = ((kinds if "impression" in sections else []) + (skew_kinds if "skew" in sections else [])
+                        + (days_kinds if "days" in sections else [])
+                        + ([args.sparse_kind] if "sparse" in sections else []))
+                warm_up(spark, work, args, [k for k in ("lean", "fat") if k in used])
+        return spark
+
+    print(f"build bench: sections {', '.join(sections)}, workdir {work}", flush=True)
     res = {}
     if os.path.exists(args.json):
         with open(args.json) as f:
@@ -1201,7 +1433,7 @@ def main(argv=None) -> int:
     if not head and os.path.exists(stamp_file):
         with open(stamp_file) as f:
             head = f"{f.read().strip()} (snapshot)"
-    res.update({"master": master, "cores": args.cores, "cpus": os.cpu_count(),
+    res.update({"cpus": os.cpu_count(),
                 "code": {"path": code, "commit": head or None, "uncommitted_changes": bool(dirty)}})
 
     def stamp(d: dict) -> dict:
@@ -1210,18 +1442,17 @@ def main(argv=None) -> int:
                   "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": res["code"]})
         return d
 
-    if not args.no_warmup:
-        used = ((kinds if "impression" in sections else []) + (skew_kinds if "skew" in sections else [])
-                + (days_kinds if "days" in sections else []) + ([args.sparse_kind] if "sparse" in sections else []))
-        warm_up(spark, work, args, [k for k in ("lean", "fat") if k in used])
+    def run_length():
+        print(f"\n== length: the build against the point-wise job at L = {args.lengths}, one process per L", flush=True)
+        return length_section(work, args)
 
     def run_days():
         print(f"\n== days: {args.days_impressions:,} impressions over {args.days_span} days", flush=True)
-        return days_section(spark, work, args, days_kinds)
+        return days_section(session(), work, args, days_kinds)
 
     def run_impression():
         print(f"\n== per impression: {args.days} days, bot {args.bot_share:.0%}", flush=True)
-        ss = [series(spark, work, args, k, sizes[k], args.bot_share, k, ui) for k in kinds]
+        ss = [series(session(), work, args, k, sizes[k], args.bot_share, k, ui) for k in kinds]
         print_series(ss, args.cores)
         return {"series": ss, "verdicts": impression_verdicts(ss), "as_of_join_core_us_per_row": AS_OF_JOIN_US}
 
@@ -1235,7 +1466,7 @@ def main(argv=None) -> int:
             rows: tuple[list, list] = ([], [])
             for n in sizes[k]:
                 for share, label, out in ((args.bot_share, k, rows[0]), (0.0, f"{k} no bot", rows[1])):
-                    out.append(size_row(spark, work, args, k, n, share, label, ui, False))
+                    out.append(size_row(session(), work, args, k, n, share, label, ui, False))
             pairs.append((fit_series(args, k, k, args.bot_share, rows[0]),
                           fit_series(args, k, f"{k} no bot", 0.0, rows[1])))
         print_series([s for pair in pairs for s in pair], args.cores)
@@ -1245,14 +1476,14 @@ def main(argv=None) -> int:
     def run_sparse():
         print(f"\n== sparse calendar: {args.sparse_impressions:,} impressions over "
               f"{', '.join(map(str, args.sparse_spans))} days", flush=True)
-        return sparse_section(spark, work, args)
+        return sparse_section(session(), work, args)
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    runs = {"days": run_days, "impression": run_impression, "skew": run_skew, "sparse": run_sparse}
+    runs = {"length": run_length, "days": run_days, "impression": run_impression, "skew": run_skew, "sparse": run_sparse}
     verdicts = []
     for name in SECTIONS:
         if name not in sections:
@@ -1273,8 +1504,13 @@ def main(argv=None) -> int:
         print(f"  {v}")
     print(f"\nwrote {args.json}")
     if not args.no_plot:
-        plot(res, args.plot)
-        print(f"wrote {args.plot}")
+        if any(k in res["sections"] for k in SECTIONS if k != "length"):
+            plot(res, args.plot)
+            print(f"wrote {args.plot}")
+        if "lengths" in res["sections"].get("length", {}):
+            lp = os.path.splitext(args.plot)[0] + "_length.png"
+            plot_length(res["sections"]["length"], lp)
+            print(f"wrote {lp}")
     if not args.keep and not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0
