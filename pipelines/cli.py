@@ -222,6 +222,10 @@ def _synth_args(p):
                         "impressions, a median over 3K events at request time); see docs/synth.md")
     p.add_argument("--history-days", type=_nonneg_int, default=None, metavar="DAYS",
                    help="days of action log alone before --start (default: the shape's, 0 or 53)")
+    p.add_argument("--arrivals", action="store_true",
+                   help="an arrival time per event (arrival_ts in lean/ and actions/: most within seconds of the "
+                        "action, a tail of hours, a few of days), mapped in config.yaml; the fat snapshots hold "
+                        "what arrived before each request")
     _seed(p, "the synthetic log")
 
 

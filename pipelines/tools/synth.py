@@ -90,6 +90,8 @@ BAD_REASONS = (
 )
 # Streams of the seed sequence: (seed, stream, day, block)
 _USERS, _DAY, _ACTIONS, _BAD, _ITEMS, _HISTORY = 1, 2, 3, 4, 5, 6
+# --arrivals: their own streams, so the other columns stay as they are with or without them
+_ARRIVALS, _HISTORY_ARRIVALS = 7, 8
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,24 @@ class SynthParams:
     exposure_ms_per_position: float = 700.0
     """Unclicked rows: action_ts = request_ts + position * 0.7 s + Exp(0.5 s) (scrolled past)."""
 
+    # -- arrival (``--arrivals``): when each event reached the serving store ----------------
+    arrival_median_ms: float = 800.0
+    """Most events arrive within seconds of their action: a lognormal delay, median 0.8 s (p90 ~2.9 s,
+    p99 ~8 s), the path from the client through the event queue to the store."""
+    arrival_sigma: float = 1.0
+    arrival_hours_share: float = 0.04
+    """A tail of hours: a retried partition, a phone offline for a while; delay log-uniform in
+    ``arrival_hours_ms``."""
+    arrival_hours_ms: tuple[float, float] = (60_000.0, 12 * 3_600_000.0)
+    arrival_days_share: float = 0.004
+    """A few of days: a phone offline for days, a backfilled source; delay uniform in ``arrival_days_ms``."""
+    arrival_days_ms: tuple[float, float] = (86_400_000.0, 7 * 86_400_000.0)
+    arrival_ahead_share: float = 0.002
+    """The action log only: a client clock that runs ahead stamps ``ts`` after the event arrived; arrival
+    precedes ``ts`` by up to ``arrival_ahead_ms``. The impressions' own actions always arrive at or after
+    their ``action_ts`` (so never before their request)."""
+    arrival_ahead_ms: float = 2_000.0
+
     # -- the separate action log ----------------------------------------------
     action_log_rate: float = 0.3
     """Events per day in the action log, as a share of the user's request rate."""
@@ -269,6 +289,33 @@ def _file_schema(table: S.TableSchema) -> pa.Schema:
 LEAN_SCHEMA = _file_schema(S.SYNTH_IMPRESSIONS)
 FAT_SCHEMA = _file_schema(S.SYNTH_FAT_IMPRESSIONS)
 ACTIONS_SCHEMA = _file_schema(S.SYNTH_ACTIONS)
+ARRIVAL = "arrival_ts"
+"""The column ``--arrivals`` adds to the lean impressions and the action log: when the event (an
+impression's own action, an action-log event) arrived at the serving store, epoch ms."""
+LEAN_ARRIVALS_SCHEMA = LEAN_SCHEMA.append(pa.field(ARRIVAL, pa.int64(), False))
+ACTIONS_ARRIVALS_SCHEMA = ACTIONS_SCHEMA.append(pa.field(ARRIVAL, pa.int64(), False))
+
+
+def arrival_delays(rng: np.random.Generator, n: int, p: "SynthParams", *, ahead: bool) -> np.ndarray:
+    """``n`` arrival delays (ms, int64: arrival - action time) drawn from ``p``'s mixture: a
+    lognormal of seconds, a share of hours (log-uniform), a share of days (uniform), and with
+    ``ahead`` (the action log) a share that arrives before its stamped time (a clock ahead).
+
+    Example::
+
+        d = arrival_delays(np.random.default_rng(0), 100_000, SynthParams(), ahead=False)
+        np.median(d) < 1_000, (d > 3_600_000).mean()
+    """
+    u = rng.random(n)
+    fast = rng.lognormal(math.log(p.arrival_median_ms), p.arrival_sigma, n)
+    lo, hi = p.arrival_hours_ms
+    hours = np.exp(rng.uniform(math.log(lo), math.log(hi), n))
+    days = rng.uniform(*p.arrival_days_ms, n)
+    back = -rng.uniform(0.0, p.arrival_ahead_ms, n)
+    a, b = p.arrival_days_share, p.arrival_days_share + p.arrival_hours_share
+    c = b + (p.arrival_ahead_share if ahead else 0.0)
+    d = np.where(u < a, days, np.where(u < b, hours, np.where(u < c, back, fast)))
+    return np.round(d).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------
@@ -284,6 +331,7 @@ class World:
     n_items: int
     bot: int  # the bot's user index (user_id = index + 1)
     max_seq_len: int
+    arrivals: bool = False  # --arrivals: an arrival time per event (lean impressions, action log, fat snapshots)
 
     def __post_init__(self):
         p = self.params
@@ -416,10 +464,15 @@ def gen_impressions(w: World, U: dict, d: int) -> dict:
     dwell = np.where(click, dwell, exposure).astype(np.int64)
     noise = rng.normal(0.0, 1.0, N)
     score = (1.0 / (1.0 + np.exp(-(np.log(pclick / (1 - pclick)) + noise)))).astype(np.float32)
+    ats = rts[rq] + dwell
+    if w.arrivals:  # drawn from their own stream: every other column is the same without --arrivals
+        arr = ats + np.maximum(arrival_delays(_rng(w.seed, _ARRIVALS, 0, d, U["u0"] // BLOCK), N, p, ahead=False), 0)
+    else:
+        arr = ats
     return dict(
         R=R, N=N, req_user=ru, req_k=k, req_ts=rts, req_hour=(ms // MS_PER_HOUR).astype(np.int8), req_dev=dev,
         rq=rq, user=u, pos=pos.astype(np.int32), item=item, click=click.astype(np.int8),
-        like=like.astype(np.int8), action_ts=rts[rq] + dwell, score=score,
+        like=like.astype(np.int8), action_ts=ats, arrival_ts=arr, score=score,
     )
 
 
@@ -449,6 +502,7 @@ def lean_columns(w: World, U: dict, d: int, g: dict) -> dict:
         "age_bucket": pa.array(U["age"][u], pa.int8()),
         "country": pa.array(p.countries).take(pa.array(U["country"][u])),
         "score": pa.array(g["score"], pa.float32()),
+        ARRIVAL: pa.array(g["arrival_ts"], pa.int64()),
     }
 
 
@@ -458,16 +512,19 @@ _NULL = np.iinfo(np.int64).min  # an action-log event's request fields: null, fi
 class Carry:
     """Per block: the user's events that later requests may still see, in stream order.
 
-    Events (local user, action_ts, request_ts, request key, position, item, bits,
-    category); the request key orders request_ids of one user as strings do; an
-    action-log event has null (smallest) request fields, so it comes first among
-    events of one millisecond, as in the product's order. After each day only the
-    newest L events before the next day starts and every event at or after it (late
-    actions) are kept; ``before`` counts, per user, the events dropped (all of them
-    before any later request), so that a request's whole history is counted.
+    Events (local user, arrival, action_ts, request_ts, request key, position, item, bits,
+    category), in arrival order; the arrival is the action_ts without ``--arrivals``, so
+    the order is then (action_ts, ...) as before. The request key orders request_ids of
+    one user as strings do; an action-log event has null (smallest) request fields, so it
+    comes first among events of one millisecond, as in the product's order. A request
+    sees the events that arrived strictly before it. After each day only the newest L
+    events that arrived before the next day starts and every event arriving at or after
+    it (late actions, late arrivals) are kept; ``before`` counts, per user, the events
+    dropped (all of them before any later request), so that a request's whole history is
+    counted.
     """
 
-    COLS = ("user", "ats", "rts", "rkey", "pos", "item", "bits", "cat")
+    COLS = ("user", "arr", "ats", "rts", "rkey", "pos", "item", "bits", "cat")
 
     def __init__(self, n_users: int):
         self.ev = {c: np.zeros(0, np.int64) for c in self.COLS}
@@ -484,6 +541,7 @@ class Carry:
             date_num = (w.day_ms(d) // MS_PER_DAY)
             parts.append({
                 "user": g["user"][act].astype(np.int64),
+                "arr": g["arrival_ts"][act],
                 "ats": g["action_ts"][act],
                 "rts": g["req_ts"][rq],
                 "rkey": date_num * 1_000_000 + g["req_k"][rq],
@@ -494,14 +552,15 @@ class Carry:
             })
         if acts is not None:
             null = np.full(len(acts["ts"]), _NULL, np.int64)
-            parts.append({"user": acts["user"].astype(np.int64), "ats": acts["ts"], "rts": null, "rkey": null,
+            parts.append({"user": acts["user"].astype(np.int64), "arr": acts["arrival_ts"], "ats": acts["ts"],
+                          "rts": null, "rkey": null,
                           "pos": null, "item": acts["item"], "bits": acts["bits"].astype(np.int64),
                           "cat": w.category(acts["item"]).astype(np.int64)})
         ev = {c: np.concatenate([p[c] for p in parts]) for c in self.COLS}
         order = np.lexsort(tuple(ev[c] for c in reversed(self.COLS)))
         ev = {c: v[order] for c, v in ev.items()}
         base = w.start_ms - (w.params.history_days + 1) * MS_PER_DAY  # keys stay positive below 2^42 ms
-        key = (ev["user"] << 42) + (ev["ats"] - base)
+        key = (ev["user"] << 42) + (ev["arr"] - base)
         ukey = np.arange(n_users, dtype=np.int64) << 42
         ubeg = np.searchsorted(key, ukey, side="left")
         req_start = req_len = hist = np.zeros(0, np.int64)
@@ -621,7 +680,12 @@ def gen_actions(w: World, U: dict, d: int) -> dict:
     ts = ts[order]
     item = w.sample_items(rng, M, d)
     bits = np.where(rng.random(M) < p.action_log_like, 3, 1)
-    return {"user": u, "item": item, "ts": ts, "bits": bits}
+    arr = ts
+    if w.arrivals:
+        arng = _rng(w.seed, _ARRIVALS, 1, d, U["u0"] // BLOCK) if d >= 0 else \
+            _rng(w.seed, _HISTORY_ARRIVALS, -d, U["u0"] // BLOCK)
+        arr = ts + arrival_delays(arng, M, p, ahead=True)
+    return {"user": u, "item": item, "ts": ts, "bits": bits, "arrival_ts": arr}
 
 
 def action_columns(w: World, U: dict, a: dict) -> dict:
@@ -633,6 +697,7 @@ def action_columns(w: World, U: dict, a: dict) -> dict:
         "bits": pa.array(a["bits"], pa.int64()),
         "cat": pa.array(w.category(item), pa.int32()),
         "auth": pa.array(w.author(item), pa.int64()),
+        ARRIVAL: pa.array(a["arrival_ts"], pa.int64()),
     }
 
 
@@ -644,16 +709,33 @@ def _table(cols_list: list[dict], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _write(out: str, kind: str, date: dt.date, chunk: int, table: pa.Table) -> int:
+def _filed(w: World, kind: str, d: int, chunk: int, t: pa.Table):
+    """(date, rows, file name) of one (chunk, day)'s table: all of it under its day, except the action log
+    with ``--arrivals``, filed by the UTC day its events arrived (the build's daily job takes the action-log
+    rows that arrived that day): the rows of day ``d`` that arrived on another day go to that day's folder
+    in a file named after ``d`` as well."""
+    if not t.num_rows:
+        return
+    name = f"part-{chunk:05d}"
+    if not (w.arrivals and kind == "actions"):
+        yield w.date(d), t, name
+        return
+    day = (t.column(ARRIVAL).to_numpy() - w.day_ms(0)) // MS_PER_DAY  # days from --start, d for most rows
+    for a in np.unique(day).tolist():
+        yield w.date(a), t.filter(pa.array(day == a)), name if a == d else f"{name}-{w.date(d):%Y%m%d}"
+
+
+def _write(out: str, kind: str, date: dt.date, name: str, table: pa.Table) -> int:
     folder = os.path.join(out, kind, f"date={date.isoformat()}")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"part-{chunk:05d}.parquet")
+    path = os.path.join(folder, f"{name}.parquet")
     pq.write_table(table, path, compression="zstd", row_group_size=256 * 1024, write_statistics=True)
     return os.path.getsize(path)
 
 
-def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
-    """The config file written beside the data (passes config.load and .layout)."""
+def make_config(L: int, seed: int, fat: bool, actions: bool, *, arrivals: bool = False) -> dict:
+    """The config file written beside the data (passes config.load and .layout); ``arrivals``: the lean
+    log's and the action log's :data:`ARRIVAL` mapped to the arrival role."""
     cols: dict = {
         "user": "user_id", "request": "request_id", "request_time": "request_ts", "action_time": "action_ts",
         "item": "item_id", "position": "position", "labels": ["click", "like"],
@@ -665,6 +747,10 @@ def make_config(L: int, seed: int, fat: bool, actions: bool) -> dict:
     elif actions:
         cols["actions"] = {"user": "uid", "item": "iid", "time": "ts", "labels": "bits",
                            "item_features": ["cat", "auth"]}
+    if arrivals and not fat:
+        cols["arrival_time"] = ARRIVAL
+        if actions:
+            cols["actions"]["arrival"] = ARRIVAL
     return {
         "columns": cols,
         "time_unit": "ms",
@@ -682,12 +768,14 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
           impressions: int | None = None, max_seq_len: int = 50, fmt: str = "parquet",
           kinds: tuple[str, ...] = KINDS, bad_rows: float = 0.0, seed: int = 0,
           params: SynthParams | None = None, chunk_mb: float = 256.0, log=None, shape: str = "default",
-          history_days: int | None = None) -> dict:
+          history_days: int | None = None, arrivals: bool = False) -> dict:
     """Generate the logs into `out` and return the summary (also written to synth.json).
 
     ``shape`` names the preset of :data:`SHAPES` (``params`` replaces it); ``history_days``, when given,
     replaces its ``history_days``. The summary's ``measured`` holds what the requests look like (history at
-    request time: p10, median, p90, p99, max).
+    request time: p10, median, p90, p99, max). ``arrivals``: the lean impressions and the action log carry
+    :data:`ARRIVAL` (when each event arrived, delays from :func:`arrival_delays`), config.yaml maps it, and
+    the fat snapshots and the measured history hold the events that arrived before each request.
 
     Example::
 
@@ -743,7 +831,7 @@ def synth(out: str, *, start: str = "2026-01-01", days: int = 3, users: int = 20
         raise UserwiseError(f"synth would write about {_size(need)} into {out}, more than the {_size(free)} free "
                             "there: give fewer --users, --days or --impressions, or another --output")
     w = World(seed=seed, params=p, start_ms=start_ms, days=days, n_users=users, n_items=items,
-              bot=users // 2, max_seq_len=max_seq_len)
+              bot=users // 2, max_seq_len=max_seq_len, arrivals=bool(arrivals))
     work, created = _start(out)
     try:
         summary = _generate(work, w, p, shape_name=shape if params is None else "custom", start=start, days=days, users=users, items=items, impressions=impressions,
@@ -809,20 +897,27 @@ def _generate(out: str, w: World, p: SynthParams, *, shape_name, start, days, us
                 if "actions" in kinds:
                     act_parts.append(action_columns(w, U, acts))
             line = []
-            for kind, parts, schema in (("lean", lean_parts, LEAN_SCHEMA), ("fat", fat_parts, FAT_SCHEMA),
-                                        ("actions", act_parts, ACTIONS_SCHEMA)):
+            lean_schema, actions_schema = ((LEAN_ARRIVALS_SCHEMA, ACTIONS_ARRIVALS_SCHEMA) if w.arrivals
+                                           else (LEAN_SCHEMA, ACTIONS_SCHEMA))
+            for kind, parts, schema in (("lean", lean_parts, lean_schema), ("fat", fat_parts, FAT_SCHEMA),
+                                        ("actions", act_parts, actions_schema)):
                 if kind not in kinds or (d < 0 and kind != "actions"):
                     continue
                 t = _table(parts, schema)
-                size = _write(out, kind, w.date(d), c, t) if t.num_rows else 0
-                rows[kind][date] = rows[kind].get(date, 0) + t.num_rows
-                mb[kind][date] = mb[kind].get(date, 0.0) + size / 2**20
+                size = 0
+                for day, part, name in _filed(w, kind, d, c, t):  # the action log with arrivals: by arrival day
+                    n_b = _write(out, kind, day, name, part)
+                    size += n_b
+                    rows[kind][day.isoformat()] = rows[kind].get(day.isoformat(), 0) + part.num_rows
+                    mb[kind][day.isoformat()] = mb[kind].get(day.isoformat(), 0.0) + n_b / 2**20
+                if not t.num_rows:
+                    rows[kind][date] = rows[kind].get(date, 0)
+                    mb[kind][date] = mb[kind].get(date, 0.0)
                 line.append(f"{kind} {t.num_rows:,} rows {size / 2**20:.1f} MB")
             if line:
                 print(f"synth: {date} chunk {c + 1}/{n_chunks}: " + ", ".join(line), file=log, flush=True)
 
-    for d in range(-H, days):
-        date = w.date(d).isoformat()
+    for date in sorted({x for k in kinds for x in rows[k]}):
         have = [k for k in kinds if date in rows[k]]
         if have:
             print(f"synth: {date} total: " + ", ".join(
@@ -835,7 +930,7 @@ def _generate(out: str, w: World, p: SynthParams, *, shape_name, start, days, us
         "format": fmt,
         "args": dict(start=start, days=days, users=users, items=items, impressions=impressions,
                      max_seq_len=max_seq_len, kinds=list(kinds), bad_rows=bad_rows, seed=seed, shape=shape_name,
-                     history_days=H),
+                     history_days=H, arrivals=w.arrivals),
         "params": p.to_dict(),
         "users": users,
         "bot_user_id": w.bot + 1,
@@ -850,7 +945,8 @@ def _generate(out: str, w: World, p: SynthParams, *, shape_name, start, days, us
     with open(os.path.join(out, "synth.json"), "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
     if "lean" in kinds:
-        _write_yaml(os.path.join(out, "config.yaml"), make_config(max_seq_len, seed, False, "actions" in kinds))
+        _write_yaml(os.path.join(out, "config.yaml"), make_config(max_seq_len, seed, False, "actions" in kinds,
+                                                                  arrivals=w.arrivals))
     if "fat" in kinds:
         _write_yaml(os.path.join(out, "config_fat.yaml"), make_config(max_seq_len, seed, True, False))
     return summary
@@ -1029,7 +1125,8 @@ def cli(args) -> int:
     s = synth(args.output, start=args.start, days=args.days, users=args.users, items=args.items,
               impressions=args.impressions, max_seq_len=args.max_seq_len, fmt=args.format, kinds=kinds,
               bad_rows=args.bad_rows, seed=args.seed, log=open(os.devnull, "w") if progress.QUIET else None,
-              shape=getattr(args, "shape", "default"), history_days=getattr(args, "history_days", None))
+              shape=getattr(args, "shape", "default"), history_days=getattr(args, "history_days", None),
+              arrivals=getattr(args, "arrivals", False))
     total = {k: sum(v.values()) for k, v in s["rows"].items()}
     rep = {"output": args.output, "format": args.format, "rows": total, "users": s["users"],
            "bot_user_id": s["bot_user_id"], "measured": s["measured"]}
