@@ -166,3 +166,57 @@ def test_the_skew_verdict_judges_the_slope_and_prints_the_cost_per_impression_at
     assert "NOT met" in v and "2.00x" in v and "at the largest size 1.25x" in v, v
     (v,) = build_bench.skew_verdicts([(series([60.0, 82.0], 1000), series([60.0, 80.0], 0))], 0.2)
     assert "NOT met" not in v and "1.10x" in v and "at the largest size 1.02x" in v, v
+
+
+def test_the_crossover_is_where_build_over_job_crosses_one():
+    """The crossover L is interpolated in log L between the two lengths whose ratios straddle 1;
+    none when every length is on one side."""
+    import math
+
+    bench = _bench()
+    rows = [{"L": 50, "ratio": 2.0}, {"L": 200, "ratio": 1.5}, {"L": 1000, "ratio": 0.5}, {"L": 4000, "ratio": 0.2}]
+    x = bench.crossover(rows)
+    # 1.5 -> 0.5 between 200 and 1000: halfway in log L
+    assert x == pytest.approx(math.sqrt(200 * 1000))
+    assert bench.crossover([{"L": 50, "ratio": 2.0}, {"L": 200, "ratio": 1.2}]) is None
+    assert bench.crossover([{"L": 1000, "ratio": 0.5}, {"L": 200, "ratio": 1.0}]) == pytest.approx(200)
+
+
+def test_the_length_config_scales_its_caps_with_L(tmp_path):
+    """Each L of the length section builds with the history and sample cost that scale with it
+    (2 L, 20 L: docs/design/repeated-bases.md), so no length meets a cap the others do not."""
+    import yaml
+
+    from tests.support.common import config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config(50, actions=True)))
+    cfg = _bench().length_config(str(path), 4000)
+    assert (cfg.max_seq_len, cfg.history_length, cfg.max_sample_cost) == (4000, 8000, 80000)
+    small = _bench().length_config(str(path), 50)
+    assert (small.max_seq_len, small.history_length, small.max_sample_cost) == (50, 2000, 20000)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_the_length_section_runs_one_process_per_L(tmp_path):
+    """The length section end to end on a tiny production-shaped log: the L runs in a process of
+    its own, and every figure the docs quote is there and consistent."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, BENCH, "--sections", "length", "--lengths", "30", "--length-users", "12",
+                        "--length-days", "2", "--length-history-days", "3", "--no-plot", "--workdir",
+                        str(tmp_path / "work"), "--json", str(out), "--conf", "spark.sql.shuffle.partitions=2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sec = json.loads(out.read_text())["sections"]["length"]
+    assert "error" not in sec, sec
+    (x,) = sec["lengths"]
+    assert x["L"] == 30 and x["m"] == 1 and x["impressions"] > 0
+    assert x["fat_rows"] == x["impressions"]  # the point-wise job writes every impression once
+    for k in ("floor_s", "pointwise_s", "build_s", "pointwise_bytes", "build_bytes", "samples_bytes",
+              "fat_training_order_bytes", "distinct_events", "samples_events", "fat_events"):
+        assert x[k] > 0, k
+    assert x["ratio"] == round(x["build_s"] / x["pointwise_s"], 3)
+    assert x["samples_vs_distinct"] == round(x["samples_events"] / x["distinct_events"], 2)
+    assert x["fat_events"] > x["samples_events"]  # every impression repeats its history point-wise
+    assert sec["crossover_L"] is None and sec["verdicts"] == []  # one length: no crossover, no target at L=30
