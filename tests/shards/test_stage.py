@@ -69,6 +69,14 @@ def test_stage_does_not_import_pyspark():
     assert r.stdout.strip() == "False", r.stderr
 
 
+def _size(path) -> int:
+    """A file's size, 0 when it is not there (a .part the stage is renaming right now)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_resume_after_kill_mid_file(shards, tmp_path):
     dest = tmp_path / "nvme"
     files = node_files(shards, 0)
@@ -81,8 +89,7 @@ def test_resume_after_kill_mid_file(shards, tmp_path):
     part = None
     while time.time() < deadline:
         finals = [r for r, _, _ in files if (dest / r).exists()]
-        parts = [r for r, s, _ in files if (dest / (r + ".part")).exists()
-                 and 0 < (dest / (r + ".part")).stat().st_size < s]
+        parts = [r for r, s, _ in files if 0 < _size(dest / (r + ".part")) < s]
         if finals and parts:
             p.kill()
             part = parts[0]
