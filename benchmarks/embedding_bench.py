@@ -45,14 +45,16 @@ unique ids, ``RoutedIds.sends``, which leaves out the hot ones). ``busiest``: th
 rank is sent by a batch over the mean per rank (1.0: balanced).
 
 Throughput (points 3 and 4 against the loader without them, side by side): for each worker
-count, the same shards through ``UserwiseLoader`` four ways, timed epoch by epoch in rotating
+count, the same shards through ``UserwiseLoader`` five ways, timed epoch by epoch in rotating
 order, ``--repeats`` times after one warm-up epoch: ``base`` (the batches, nothing else),
-``vbe`` (each batch's ``to_kjt(per="impression", vbe=True)`` of the candidate, request, user and
-history keys in the loop), ``ids`` (the dataset's ``ids=IdRouting(...)``: every key above routed
-for W = the largest world, the 1% hot sets flagged, in the workers), ``both``. Reported: each
-one's impressions/s, and its share of ``base``'s (the median of the per-repeat ratios). Target:
-``both`` keeps at least 0.9 (a cost of at most 10%) at the largest worker count; the verdict line
-says met or not met, with the numbers.
+``vbe`` (each batch's ``to_kjt(per="impression", vbe=True)`` of the candidate keys, the request's
+context and user features and the user, in the loop: point 3's request features once),
+``vbe_hist`` (the same plus the history ``seq_item`` once per request), ``ids`` (the dataset's
+``ids=IdRouting(...)``: every id key above routed for W = the largest world, the largest hot sets
+flagged, in the workers: point 4), ``both`` (``ids`` and ``vbe``). Reported: each one's
+impressions/s, and its share of ``base``'s (the median of the per-repeat ratios). Target: ``both``
+keeps at least 0.9 (a cost of at most 10%) at the largest worker count; the verdict line says
+met or not met, with the numbers.
 
 ``--quick``: tiny sizes in seconds (tests/benchmarks/test_embedding_bench.py). Defaults write
 ``benchmarks/results/embedding_bench.json`` and ``.png``.
@@ -96,8 +98,11 @@ KIND = "incremental"
 KEYS = {"seq_item": "item", "seq_category": "category", "seq_author": "author",
         "imp__item_id": "item", "imp__category": "category", "imp__author": "author"}
 SEQ_KEYS = [k for k in KEYS if k.startswith("seq_")]
-# to_kjt(vbe=True)'s keys in the throughput run: candidates, request (context, user) features, the user, a history
-VBE_KEYS = ["imp__item_id", "imp__category", "imp__author", "req__hour", "req__age_bucket", "user", "seq_item"]
+# to_kjt(vbe=True)'s keys in the throughput run: the candidates, the request's context and user features, the user
+VBE_KEYS = ["imp__item_id", "imp__category", "imp__author", "req__hour", "req__age_bucket", "user"]
+HIST_KEY = "seq_item"  # vbe_hist: the same and this history, once per request (the R requests' visible events)
+# the throughput variants against the loader alone, as the plot labels them
+VARIANTS = {"vbe": "to_kjt VBE", "vbe_hist": "VBE + history", "ids": "ids= routing", "both": "VBE + routing"}
 TARGET = 0.9  # share of the loader's throughput kept with points 3 and 4 (a cost of at most 10%)
 
 
@@ -341,12 +346,12 @@ def count(root: str, *, token_budget: int, rows: dict, worlds: list[int], hot: d
 
 
 # -- throughput ---------------------------------------------------------------------------
-def _epoch(ld, vbe: bool) -> dict:
+def _epoch(ld, vbe: list[str] | None) -> dict:
     t = time.perf_counter()
     imps = samples = 0
     for b in ld:
         if vbe:
-            b.to_kjt(VBE_KEYS, per="impression", vbe=True)
+            b.to_kjt(vbe, per="impression", vbe=True)
         imps += b.num_impressions
         samples += b.num_samples
     return {"s": time.perf_counter() - t, "impressions": imps, "samples": samples}
@@ -354,7 +359,7 @@ def _epoch(ld, vbe: bool) -> dict:
 
 def throughput(root: str, *, token_budget: int, workers: list[int], repeats: int, routing: IdRouting,
                seed: int) -> list[dict]:
-    """Per worker count: base / vbe / ids / both epochs, rotating order (see the module doc)."""
+    """Per worker count: base / vbe / vbe_hist / ids / both epochs, rotating order (see the module doc)."""
     out = []
     for w in workers:
         def loader(ids):
@@ -363,19 +368,20 @@ def throughput(root: str, *, token_budget: int, workers: list[int], repeats: int
             return UserwiseLoader(ds, num_workers=w, device="cpu")
 
         plain, routed = loader(None), loader(routing)
-        runs = {"base": (plain, False), "vbe": (plain, True), "ids": (routed, False), "both": (routed, True)}
+        runs = {"base": (plain, None), "vbe": (plain, VBE_KEYS), "vbe_hist": (plain, VBE_KEYS + [HIST_KEY]),
+                "ids": (routed, None), "both": (routed, VBE_KEYS)}
         names = list(runs)
         for n in names:  # warm-up: worker start-up, first decode
             _epoch(*runs[n])
         times: dict[str, list[dict]] = {n: [] for n in names}
         for i in range(repeats):
-            for n in names[i % 4:] + names[:i % 4]:
+            for n in names[i % len(names):] + names[:i % len(names)]:
                 times[n].append(_epoch(*runs[n]))
         for ld in (plain, routed):
             getattr(ld, "close", lambda: None)()
         imps = times["base"][0]["impressions"]
         if any(t["impressions"] != imps for ts in times.values() for t in ts):
-            raise SystemExit("embedding_bench: the four loaders delivered different impressions per epoch")
+            raise SystemExit("embedding_bench: the variants' loaders delivered different impressions per epoch")
         row = {"workers": w, "impressions_per_epoch": imps, "batches_per_epoch": len(plain)}
         for n in names:
             s = statistics.median(t["s"] for t in times[n])
@@ -391,7 +397,7 @@ def throughput(root: str, *, token_budget: int, workers: list[int], repeats: int
 def verdict(rows: list[dict]) -> str:
     r = max(rows, key=lambda x: x["workers"])
     share = r["both"]["share_of_base"]
-    parts = ", ".join(f"{n} {r[n]['share_of_base']:.3f}" for n in ("vbe", "ids", "both"))
+    parts = ", ".join(f"{n} {r[n]['share_of_base']:.3f}" for n in VARIANTS)
     ok = share >= TARGET
     return (f"verdict: {'met' if ok else 'not met'}: at {r['workers']} workers the loader with VBE and routing keeps "
             f"{share:.3f} of its impressions/s (cost {100 * (1 - share):.1f}%, target <= {100 * (1 - TARGET):.0f}%; "
@@ -430,7 +436,7 @@ def plot(result: dict, path: str) -> None:
                 f"impressions a batch)", fontsize=10)
     a.legend(fontsize=8)
     tp = result["throughput"]
-    vs = ["vbe", "ids", "both"]
+    vs = list(VARIANTS)
     wd2 = 0.8 / max(1, len(tp))
     for i, r in enumerate(tp):
         ys = [r[n]["share_of_base"] for n in vs]
@@ -438,8 +444,9 @@ def plot(result: dict, path: str) -> None:
         for xi, y in enumerate(ys):
             b.text(xi - 0.4 + wd2 * (i + 0.5), y, f"{y:.2f}", ha="center", va="bottom", fontsize=8)
     b.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET}")
-    b.set_xticks(np.arange(len(vs)), ["to_kjt VBE", "ids= routing", "both"])
-    b.set_ylim(0, 1.15)
+    b.set_xticks(np.arange(len(vs)), [VARIANTS[n] for n in vs], fontsize=8)
+    top = max([r[n]["share_of_base"] for r in tp for n in vs] + [1.0])
+    b.set_ylim(0, top * 1.15)
     b.set_ylabel("impressions/s, share of the loader without them")
     b.set_title("loader throughput with points 3 and 4", fontsize=10)
     b.legend(fontsize=8, loc="lower right")
@@ -505,7 +512,8 @@ def main(argv=None) -> int:
         "config": {"users": users, "days": days, "history_days": hdays if hdays is not None
                    else synth.SHAPES["production"].history_days, "items": items, "max_seq_len": L,
                    "token_budget": tb, "worlds": a.worlds, "hot": sorted(a.hot), "workers": workers,
-                   "repeats": repeats, "seed": a.seed, "keys": KEYS, "vbe_keys": VBE_KEYS, "table_rows": rows},
+                   "repeats": repeats, "seed": a.seed, "keys": KEYS, "vbe_keys": VBE_KEYS, "hist_key": HIST_KEY,
+                   "table_rows": rows},
         "log": {"requests": measured.get("requests"), "history_at_request": measured.get("history_at_request"),
                 "impressions_per_request": measured.get("impressions_per_request")},
         "counts": counts, "throughput": tp, "target_share": TARGET,
@@ -539,7 +547,7 @@ def report(result: dict) -> None:
         print(f"{n:10} {v['reach_per_batch']:>12,.0f} ({v['reach_per_impression']:>7.1f}) {cells}")
     for r in result["throughput"]:
         print(f"workers {r['workers']}: base {r['base']['impressions_per_s']:,.0f} impressions/s; share kept: "
-              + ", ".join(f"{n} {r[n]['share_of_base']:.3f}" for n in ("vbe", "ids", "both")))
+              + ", ".join(f"{n} {r[n]['share_of_base']:.3f}" for n in VARIANTS))
     print(result["verdict"])
 
 
