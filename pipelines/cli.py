@@ -358,6 +358,10 @@ def _replay_args(p):
     p.add_argument("--verify", choices=["checksum", "size", "none"], default="checksum",
                    help="how the shards are checked against the manifest before they are read, as the loader does "
                         "(every footer and page is checked in each mode)")
+    p.add_argument("--order", choices=["arrival", "action_time", "both"], default="arrival",
+                   help="how each user's events are held: arrival (as stored: late events append), action_time "
+                        "(re-sorted by action time: a late event lands mid-stream and costs a re-encode), or both "
+                        "side by side (hit rate, invalidations, tokens encoded again for each)")
 
 
 def _backfill_args(p):

@@ -57,17 +57,24 @@ from userwise.pipelines.errors import ArgumentError, UserwiseError, expect
 from userwise.pipelines.jagged import np_offsets, np_segment_ids
 from userwise.pipelines.runtime import progress
 from userwise.pipelines.runtime.ship import private_tmp
-from userwise.pipelines.serve.incremental import Candidates, empty_state, extend, full_scores, score
-from userwise.pipelines.serve.replay_report import node_report, report, report_text
+from userwise.pipelines.serve.chain import chain_of
+from userwise.pipelines.serve.incremental import Candidates, Events, empty_state, extend, full_scores, score
+from userwise.pipelines.serve.replay_report import node_report, order_summary, report, report_text
 from userwise.pipelines.serve.store import TIERS, KVStore
 from userwise.pipelines.serve.trace import Trace, read_trace
 from userwise.pipelines.train import Checkpoint, ReferenceRanker, Spans, UserBatch
 
-__all__ = ["replay", "TOLERANCE", "DTYPES"]
+__all__ = ["replay", "TOLERANCE", "DTYPES", "ORDERS"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-5}
 MB = 1 << 20
+ORDERS = ("arrival", "action_time", "both")
+"""The orders a replay holds each user's events in (``order=``): ``arrival``, as the sample stores
+them (the build's arrival order: every request's events a prefix of one stream, the cache append-only);
+``action_time``, the same events of each request re-sorted by action time (``seq_ts``; ties in the
+stored order), as a store that keeps a stream sorted by action time holds them (a late event lands
+mid-stream); ``both``, one after the other over the same trace, the second under ``orders``."""
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -131,9 +138,40 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def _action_time_view(trace: Trace, s: int, n: int, *, block: int, version):
+    """Sample ``s``'s first ``n`` stored events sorted by action time (stable: ties keep the stored
+    order), and their chain; ``None`` when that is the stored order itself."""
+    a = int(trace.seq_offsets[s])
+    perm = np.argsort(trace.ev_time[a:a + n].numpy(), kind="stable")
+    if not len(perm) or (perm == np.arange(n)).all():
+        return None
+    idx = torch.from_numpy(perm + a)
+    ev = Events(trace.ev_item[idx], trace.ev_side[idx], trace.ev_action[idx], trace.ev_time[idx])
+    return ev, chain_of(ev, block=block, version=version)
+
+
+def _late_events(trace: Trace) -> int:
+    """Stored events that arrived after an event of a later action time (in the stored order, an
+    action time below the largest before it in its sample): those a store sorted by action time
+    inserts mid-stream. 0 without action times."""
+    if trace.ev_time is None or not len(trace.ev_time):
+        return 0
+    t = trace.ev_time.numpy()
+    so = trace.seq_offsets
+    out = 0
+    for s in range(len(so) - 1):
+        a, b = int(so[s]), int(so[s + 1])
+        if b - a > 1:
+            seg = t[a:b]
+            out += int((seg[1:] < np.maximum.accumulate(seg)[:-1]).sum())
+    return out
+
+
 def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size: int, tol: float, device,
-          max_requests) -> tuple[dict, dict]:
-    """Serve one node's requests in order: (report, timing)."""
+          max_requests, hold: str = "arrival") -> tuple[dict, dict]:
+    """Serve one node's requests in order, each user's events held in ``hold`` order (``arrival``: as
+    stored; ``action_time``: each request's events re-sorted by action time, its logits compared
+    with the full recompute only): (report, timing)."""
     L, P = trace.max_seq_len, page_size
     order = trace.order[node] if max_requests is None else trace.order[node][:int(max_requests)]
     held_high = {}  # per sample: the most events a state of it has held (re-encoded below it)
@@ -154,6 +192,9 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
         a, b = int(trace.imp_offsets[r]), int(trace.imp_offsets[r + 1])
         cands = Candidates(trace.tgt_item[a:b], trace.tgt_side[a:b])
         events = trace.events(s, n)
+        view = _action_time_view(trace, s, n, block=P, version=version) if hold == "action_time" and n else None
+        if view is not None:
+            events = view[0]
         imps += b - a
         # the cache: lookup by the current chain, extend by what the lease lacks, store, score
         _sync(device)
@@ -162,7 +203,7 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
             have = 0
             cached = score(model, empty_state(model, max_seq_len=L, page_size=P), cands)
         else:
-            cur = trace.chain(s, n, block=P, version=version)
+            cur = view[1] if view is not None else trace.chain(s, n, block=P, version=version)
             with store.acquire(user, cur) as lease:
                 st = lease.state if lease.state is not None else empty_state(model, max_seq_len=L, page_size=P)
                 have = st.length
@@ -184,23 +225,26 @@ def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size:
         tok["reencoded"] += again
         tok["new"] += n - have - again
         held_high[s] = max(held_high.get(s, 0), n)
-        if s not in trained:
-            if last_sample.get(user) is not None:
-                trained.pop(last_sample[user], None)  # a user's earlier sample is not looked at again
-            with torch.no_grad():
-                trained[s] = model(_sample_batch(trace, s, device)).cpu()
-            last_sample[user] = s
-        i0 = int(trace.imp_offsets[int(trace.req_offsets[s])])
-        train = trained[s][a - i0:b - i0]
-        c64, f64, tr64 = cached.cpu().double(), full.cpu().double(), train.double()
+        c64, f64 = cached.cpu().double(), full.cpu().double()
         d = float((c64 - f64).abs().max()) if b > a else 0.0
-        dt_ = float((c64 - tr64).abs().max()) if b > a else 0.0
         if not (d <= tol):  # NaN counts as over
             over += 1
-        if not (dt_ <= tol):
-            over_train += 1
         diff = max(diff, d) if not math.isnan(d) else math.inf
-        diff_train = max(diff_train, dt_) if not math.isnan(dt_) else math.inf
+        if hold == "arrival":  # the training forward holds the stored order: compared under it only
+            if s not in trained:
+                if last_sample.get(user) is not None:
+                    trained.pop(last_sample[user], None)  # a user's earlier sample is not looked at again
+                with torch.no_grad():
+                    trained[s] = model(_sample_batch(trace, s, device)).cpu()
+                last_sample[user] = s
+            i0 = int(trace.imp_offsets[int(trace.req_offsets[s])])
+            tr64 = trained[s][a - i0:b - i0].double()
+            dt_ = float((c64 - tr64).abs().max()) if b > a else 0.0
+            if not (dt_ <= tol):
+                over_train += 1
+            diff_train = max(diff_train, dt_) if not math.isnan(dt_) else math.inf
+        else:
+            diff_train = over_train = None
         if b > a and trace.labels.shape[1]:
             y = trace.labels[a:b].double()
             loss_sum += float(torch.nn.functional.binary_cross_entropy_with_logits(c64, y, reduction="sum"))
@@ -223,7 +267,7 @@ def replay(shards: str | Trace, *, serving_nodes: int = 1, checkpoint: str | os.
            host_bytes: int = 1024 * MB, disk_bytes: int = 0, cache_dir: str | None = None,
            device: str | torch.device | None = None,
            max_requests: int | None = None, verify: str = "checksum",
-           make_store: Callable[..., KVStore] | None = None) -> dict:
+           make_store: Callable[..., KVStore] | None = None, order: str = "arrival") -> dict:
     """Replay a shard set's requests (``shards``: its root, or a :class:`Trace`) on
     ``serving_nodes`` nodes through the cache and a full recompute; the report (see module
     doc; docs/serving.md lists its fields). ``verify``: :func:`read_trace`'s.
@@ -239,6 +283,16 @@ def replay(shards: str | Trace, *, serving_nodes: int = 1, checkpoint: str | os.
     ``make_store(node=..., **kwargs)`` builds it instead (a test's broken cache).
     ``max_seq_len``: L, the newest events a request sees (default: the longest span of the
     pointers). ``max_requests``: the first requests of each node only.
+
+    ``order`` (:data:`ORDERS`): how each user's events are held. ``arrival`` (the default) as
+    the samples store them, the build's arrival order; ``action_time``: each request's events
+    re-sorted by action time (``seq_ts``), as a store sorted by action time holds them, so an
+    event that arrived late lands mid-stream and the chain cuts the held state there (the
+    report's logits are then compared with the full recompute of those events only);
+    ``both``: the arrival order's report, and under ``orders`` each order's cost
+    (:func:`~userwise.pipelines.serve.replay_report.order_summary`: full reuse, invalidated,
+    tokens encoded again, cached against the full recompute) from two passes over the same
+    requests with fresh caches, and the trace's ``late_events``.
 
     Sizes are bounded before anything is built: the device and host tiers by the memory the
     device and the host have (:class:`KVStore`'s check), serving nodes by the trace's users,
@@ -257,6 +311,8 @@ def replay(shards: str | Trace, *, serving_nodes: int = 1, checkpoint: str | os.
     """
     if dtype not in DTYPES:
         raise ArgumentError(f"dtype={dtype!r}: use float32 or float64")
+    if order not in ORDERS:
+        raise ArgumentError(f"order={order!r}: use one of {', '.join(ORDERS)}")
     expect(page_size, "int>=1", "page_size")
     for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
@@ -281,31 +337,46 @@ def replay(shards: str | Trace, *, serving_nodes: int = 1, checkpoint: str | os.
                                   layers=layers, dtype=dtype, seed=seed, device=dev)
     desc["max_seq_len"] = trace.max_seq_len
     tol = TOLERANCE[dtype]
+    if order != "arrival" and trace.ev_time is None:
+        raise UserwiseError(f"order={order!r}: {trace.root} holds no action times (seq_ts); replay it in arrival "
+                            "order, or pre-shard a build that keeps seq_ts")
     read_s = time.perf_counter() - wall0
-    nodes, timing = [], []
-    with _scratch(cache_dir if disk_bytes else None, disk_bytes) as run:
-        for k in range(trace.serving_nodes):
-            folder = os.path.join(run, f"node-{k}") if run is not None else None
-            kw = dict(page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes,
-                      folder=folder, device=dev, max_seq_len=trace.max_seq_len)
-            store = make_store(node=k, **kw) if make_store is not None else KVStore(**kw)
-            try:
-                rep, tm = _node(trace, k, model, version, store, page_size=page_size, tol=tol, device=dev,
-                                max_requests=max_requests)
-            finally:  # a node's files go when it is done: the disk holds one node's at a time
-                close = getattr(store, "close", None)
-                if callable(close):
-                    close()
-                del store
-                if folder is not None:
-                    shutil.rmtree(folder, ignore_errors=True)
-            nodes.append(rep)
-            timing.append(tm)
-            progress.say(f"replay: serving node {k}: {rep['requests']:,} requests, {tm['cached_s']:.1f} s cached, "
-                         f"{tm['full_s']:.1f} s full recompute")
-    return report(trace, nodes, timing, desc=desc, tol=tol, cache=dict(
-        page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes),
-        read_s=read_s, wall_s=time.perf_counter() - wall0, device=dev)
+    cache = dict(page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes)
+    holds = ("arrival", "action_time") if order == "both" else (order,)
+    reports = {}
+    for hold in holds:
+        nodes, timing = [], []
+        with _scratch(cache_dir if disk_bytes else None, disk_bytes) as run:
+            for k in range(trace.serving_nodes):
+                folder = os.path.join(run, f"node-{k}") if run is not None else None
+                kw = dict(page_size=page_size, device_bytes=device_bytes, host_bytes=host_bytes,
+                          disk_bytes=disk_bytes, folder=folder, device=dev, max_seq_len=trace.max_seq_len)
+                store = make_store(node=k, **kw) if make_store is not None else KVStore(**kw)
+                try:
+                    rep, tm = _node(trace, k, model, version, store, page_size=page_size, tol=tol, device=dev,
+                                    max_requests=max_requests, hold=hold)
+                finally:  # a node's files go when it is done: the disk holds one node's at a time
+                    close = getattr(store, "close", None)
+                    if callable(close):
+                        close()
+                    del store
+                    if folder is not None:
+                        shutil.rmtree(folder, ignore_errors=True)
+                nodes.append(rep)
+                timing.append(tm)
+                progress.say(f"replay ({hold} order): serving node {k}: {rep['requests']:,} requests, "
+                             f"{tm['cached_s']:.1f} s cached, {tm['full_s']:.1f} s full recompute")
+        reports[hold] = report(trace, nodes, timing, desc=desc, tol=tol, cache=cache, read_s=read_s,
+                               wall_s=time.perf_counter() - wall0, device=dev)
+    r = reports[holds[0]]
+    r["order"] = order
+    if order == "both":
+        late = _late_events(trace)
+        r["orders"] = {h: order_summary(reports[h], late_events=late) for h in holds}
+        r["equality"]["equal"] = all(o["equality"]["equal"] for o in r["orders"].values()) and \
+            r["equality"]["equal"]
+        r["timing"]["wall_s"] = round(time.perf_counter() - wall0, 3)
+    return r
 
 
 # -- bounds ---------------------------------------------------------------------------------
@@ -491,15 +562,19 @@ def cli(args) -> int:
                    seed=args.seed, max_seq_len=args.max_seq_len, page_size=args.page_size,
                    device_bytes=tiers["device"], host_bytes=tiers["host"], disk_bytes=tiers["disk"],
                    cache_dir=args.cache_dir, device=args.device, max_requests=args.max_requests,
-                   verify=args.verify)
+                   verify=args.verify, order=getattr(args, "order", "arrival"))
     console.emit(r, report_text)
     eq = r["equality"]
     if not eq["equal"]:
+        over = eq["over_tolerance"] + sum(o["equality"]["over_tolerance"] for k, o in (r.get("orders") or {}).items()
+                                          if k != "arrival")
+        worst = max([eq["max_abs_diff"]] + [o["equality"]["max_abs_diff"] for o in (r.get("orders") or {}).values()])
+        training = (f" ({eq['over_tolerance_training']} from the training forward, up to "
+                    f"{eq['max_abs_diff_training']:.3g})" if eq["over_tolerance_training"] is not None else "")
         raise UserwiseError(
-            f"{eq['over_tolerance']} of {r['requests']} requests' cached logits differ from the full recompute by up "
-            f"to {eq['max_abs_diff']:.3g} ({eq['over_tolerance_training']} from the training forward, up to "
-            f"{eq['max_abs_diff_training']:.3g}; tolerance {eq['tolerance']:g}): the cache served K/V that do not "
-            "encode the request's events (a stale entry, or a model that is not prefix-stable)")
+            f"{over} request(s)' cached logits differ from the full recompute by up to {worst:.3g}{training}; "
+            f"tolerance {eq['tolerance']:g}: the cache served K/V that do not encode the request's events (a stale "
+            "entry, or a model that is not prefix-stable)")
     return 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from userwise.pipelines.serve.store import TIERS
 
-__all__ = ["node_report", "report", "report_text"]
+__all__ = ["node_report", "report", "report_text", "order_summary"]
 
 MB = 1 << 20
 # the report's cache counts, as KVStore.stats() gives them (see its docstring)
@@ -62,10 +62,14 @@ def report(trace, nodes: list, timing: list, *, desc, tol, cache, read_s, wall_s
     tok["recomputed_fraction"] = tok["encoded"] / tok["full"] if tok["full"] else 0.0
     eq = {"tolerance": tol,
           "max_abs_diff": max((n["equality"]["max_abs_diff"] for n in nodes), default=0.0),
-          "over_tolerance": sum(n["equality"]["over_tolerance"] for n in nodes),
-          "max_abs_diff_training": max((n["equality"]["max_abs_diff_training"] for n in nodes), default=0.0),
-          "over_tolerance_training": sum(n["equality"]["over_tolerance_training"] for n in nodes)}
-    eq["equal"] = eq["over_tolerance"] == 0 and eq["over_tolerance_training"] == 0
+          "over_tolerance": sum(n["equality"]["over_tolerance"] for n in nodes)}
+    trained = [n["equality"] for n in nodes if n["equality"]["over_tolerance_training"] is not None]
+    if trained or not nodes:  # None: not compared (the action-time order: training holds the stored order)
+        eq["max_abs_diff_training"] = max((e["max_abs_diff_training"] for e in trained), default=0.0)
+        eq["over_tolerance_training"] = sum(e["over_tolerance_training"] for e in trained)
+    else:
+        eq["max_abs_diff_training"] = eq["over_tolerance_training"] = None
+    eq["equal"] = eq["over_tolerance"] == 0 and not eq["over_tolerance_training"]
     loss_sum, loss_n = sum(n["loss"]["sum"] for n in nodes), sum(n["loss"]["count"] for n in nodes)
     for n in nodes:
         c = n.pop("loss")
@@ -93,6 +97,21 @@ def report(trace, nodes: list, timing: list, *, desc, tol, cache, read_s, wall_s
 
 
 
+def order_summary(r: dict, *, late_events: int) -> dict:
+    """What an order costs the cache, from a :func:`report`: full reuse (``hit_rate``: the share
+    of lookups that served the whole held state), partial reuse and misses, ``invalidated``
+    lookups, ``tokens`` encoded (``new``, ``reencoded``, ``recomputed_fraction``), ``equality``
+    against the full recompute; ``late_events`` (the trace's events that arrived after one of a
+    later action time)."""
+    eq = r["equality"]
+    return {"late_events": late_events, "requests": r["requests"], "lookups": r["lookups"],
+            "hit_rate": r["reuse_rate"]["full"], "partial_rate": r["reuse_rate"]["partial"],
+            "miss_rate": r["reuse_rate"]["miss"], "invalidated": r["invalidated"],
+            "tokens": dict(r["tokens"]),
+            "equality": {"max_abs_diff": eq["max_abs_diff"], "over_tolerance": eq["over_tolerance"],
+                         "equal": eq["over_tolerance"] == 0}}
+
+
 def _rate(n: int, s: float) -> float | None:
     return round(n / s, 1) if s > 0 else None
 
@@ -109,8 +128,9 @@ def report_text(r: dict) -> str:
         f"model: {m['encoder']} encoder, {m['layers']} layers, dim {m['dim']}, {m['dtype']}, L={m['max_seq_len']}, "
         f"version {m['version']}",
         f"logits equal: {'yes' if eq['equal'] else 'NO'} (max |cached - full recompute| {eq['max_abs_diff']:.3g}, "
-        f"|cached - training| {eq['max_abs_diff_training']:.3g}, tolerance {eq['tolerance']:g}; "
-        f"{eq['over_tolerance']} over)",
+        + (f"|cached - training| {eq['max_abs_diff_training']:.3g}, " if eq["max_abs_diff_training"] is not None
+           else "not compared with training (held by action time), ")
+        + f"tolerance {eq['tolerance']:g}; {eq['over_tolerance']} over)",
         f"reuse: full {pct(rr['full'])} (device {pct(hr['device'])}, host {pct(hr['host'])}, disk "
         f"{pct(hr['disk'])}), partial {pct(rr['partial'])}, miss {pct(rr['miss'])} of {r['lookups']:,} lookups "
         f"({r['invalidated']:,} invalidated; {r['requests_without_history']:,} requests without history)",
@@ -121,6 +141,13 @@ def report_text(r: dict) -> str:
         f"requests per second: cached {tm['cached_requests_per_s']}, full recompute {tm['full_requests_per_s']} "
         f"({tm['speedup']}x) on {tm['device']}",
     ]
+    for name, o in (r.get("orders") or {}).items():
+        t = o["tokens"]
+        lines.append(f"order {name}: full reuse {pct(o['hit_rate'])}, partial {pct(o['partial_rate'])}, "
+                     f"{o['invalidated']:,} invalidated, {t['reencoded']:,} tokens encoded again "
+                     f"({pct(t['recomputed_fraction'])} recomputed), cached = full recompute: "
+                     f"{'yes' if o['equality']['equal'] else 'NO'} (max diff {o['equality']['max_abs_diff']:.3g}); "
+                     f"{o['late_events']:,} late events")
     for n in r["nodes"]:
         h = n["hit_rate"]
         lines.append(f"  node {n['node']}: {n['requests']:,} requests, {n['users']:,} users, full reuse "
