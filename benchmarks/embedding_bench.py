@@ -449,7 +449,7 @@ def plot(result: dict, path: str) -> None:
     b.set_ylim(0, top * 1.15)
     b.set_ylabel("impressions/s, share of the loader without them")
     b.set_title("loader throughput with points 3 and 4", fontsize=10)
-    b.legend(fontsize=8, loc="lower right")
+    b.legend(fontsize=8, loc="upper right")
     fig.suptitle(f"embedding_bench: production-shaped synth log, {cfg['users']:,} users, {cfg['items']:,}-item "
                  f"Zipf catalogue ({result['date']})", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
