@@ -5,7 +5,8 @@ Public names::
     from userwise.pipelines.train import (UserBatch, PointwiseBatch, Fields, ReferenceRanker, Checkpoint,
     Spans, spans, Intervals, target_intervals, causal_intervals, causal_over, request_sequences,
     dense_target_masks, dense_causal_masks, attend, KernelLayout, hstu_mha_layout,
-    hstu_varlen_layout, hstu_mha_mask, hstu_varlen_mask, audit, stochastic_length)
+    hstu_varlen_layout, hstu_mha_mask, hstu_varlen_mask, audit, stochastic_length, TableStats,
+    lru_stack_distances, table_stats, table_stats_from_counts, read_id_stats, planner_constraints)
 
 Modules, in the order data flows through them:
 
@@ -23,6 +24,11 @@ Modules, in the order data flows through them:
   those kernels apply, and an audit of them;
 - ``inputs``: the model's inputs (:class:`UserBatch`, :class:`PointwiseBatch`,
   :class:`Fields`);
+- ``planner_stats``: TorchRec's planner inputs from the data: per embedding table the distinct
+  ids of a global batch and the exact LRU miss-ratio curve (:class:`TableStats`, in
+  ``EmbeddingOffloadStats``' shape), from the ids in training order (:func:`table_stats`) or
+  the build's ``id_stats`` (:func:`read_id_stats`, :func:`table_stats_from_counts`), handed to
+  the planner as UVM-cache constraints (:func:`planner_constraints`; docs/embeddings.md);
 - ``model``: the reference model (:class:`ReferenceRanker`): a user-wise and a
   point-wise forward, and their FLOPs; its checkpoints (``ReferenceRanker.save``,
   :class:`Checkpoint`: read, checked, built), which training and ``userwise replay`` share.
@@ -53,11 +59,20 @@ from userwise.pipelines.train.masks import (
     target_intervals,
 )
 from userwise.pipelines.train.model import Checkpoint, ReferenceRanker
+from userwise.pipelines.train.planner_stats import (
+    TableStats,
+    lru_stack_distances,
+    planner_constraints,
+    read_id_stats,
+    table_stats,
+    table_stats_from_counts,
+)
 from userwise.pipelines.train.stochastic import stochastic_length
 
 __all__ = [
     "UserBatch", "PointwiseBatch", "Fields", "ReferenceRanker", "Checkpoint", "Spans", "spans", "Intervals",
     "target_intervals", "causal_intervals", "causal_over", "request_sequences", "dense_target_masks",
     "dense_causal_masks", "attend", "KernelLayout", "hstu_mha_layout", "hstu_varlen_layout", "hstu_mha_mask",
-    "hstu_varlen_mask", "audit", "stochastic_length",
+    "hstu_varlen_mask", "audit", "stochastic_length", "TableStats", "lru_stack_distances", "table_stats",
+    "table_stats_from_counts", "read_id_stats", "planner_constraints",
 ]
