@@ -226,3 +226,149 @@ def test_routing_arguments(root):
         UserwiseDataset(root, world_size=1, rank=0, ids={"seq_item": 10})
     with pytest.raises(ValueError, match=">= 0"):
         route_ids(np.array([-1]), np.array([1]), num_embeddings=10, world_size=2)
+
+
+# -- route_ids' fast paths: a bitset instead of np.unique's sort, a counting sort on the owner ----
+
+
+def _sorting_route(v, ln, n, W, hot):
+    """The routing restated by sorting (np.unique; a stable argsort of owner * bags + bag): the
+    oracle the bitset and counting-sort paths must equal, array for array."""
+    v, ln = np.asarray(v, np.int64), np.asarray(ln, np.int64)
+    block = -(-n // W)
+    unique, inverse = np.unique(v, return_inverse=True)
+    own = lambda x: np.where(x < block * W, x // block, x % W)  # noqa: E731
+    local = np.where(v < block * W, v % block, v // W)
+    key = own(v) * len(ln) + np.repeat(np.arange(len(ln)), ln)
+    order = np.argsort(key, kind="stable")
+    perm = np.empty(len(v), np.int64)
+    perm[order] = np.arange(len(v))
+    return {"unique": unique, "inverse": inverse.ravel(), "owner": own(unique), "hot": np.isin(unique, hot),
+            "bucket_lengths": np.bincount(key, minlength=W * len(ln)), "bucket_values": local[order],
+            "unbucketize_permute": perm}
+
+
+FIELDS = ("unique", "inverse", "owner", "hot", "bucket_lengths", "bucket_values", "unbucketize_permute")
+
+
+def _cases():
+    """(name, values, lengths, num_embeddings, world_size, hot): ids inside the table, past it
+    (fbgemm's overflow rule), spread so wide that the bitset gives way to a sort, none at all,
+    empty bags, and world sizes past 8 and 16 bits."""
+    rng = np.random.default_rng(58)
+    ln = rng.integers(0, 40, 300)
+    ln[::7] = 0
+    n = int(ln.sum())
+    zipf = np.minimum(rng.zipf(1.2, n), 10**6) - 1
+    return [
+        ("inside", zipf % 5000, ln, 5000, 8, np.arange(0, 5000, 13)),
+        ("past the table", zipf % 9000, ln, 5000, 64, [3, 4, 7000]),
+        ("wide: sorted", np.where(rng.random(n) < 0.5, zipf, rng.integers(0, 1 << 62, n)), ln, 1 << 40, 8, [0, 1]),
+        ("one rank", zipf, ln, 10**6, 1, []),
+        ("300 ranks", zipf % 7000, ln, 7000, 300, [5]),
+        ("70000 ranks", zipf, ln, 10**6, 70_000, [5]),
+        ("no ids", np.zeros(0, np.int64), np.zeros(5, np.int64), 10, 4, [1]),
+        ("no bags", np.zeros(0, np.int64), np.zeros(0, np.int64), 10, 4, None),
+        ("int32 ids", (zipf % 3000).astype(np.int32), ln.astype(np.int32), 3000, 5, [2]),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_route_ids_equals_the_sorting_route(impl, monkeypatch):
+    """Compiled and numpy, every path (bitset, sort fallback, counting and radix sorts) gives
+    the arrays of the plain sorting route; the bitset runs where the ids' span is small, the sort
+    where it is not."""
+    from userwise.pipelines.loader.assembly import ids, kernels, segcopy
+
+    if impl == "numpy":
+        monkeypatch.setattr(segcopy, "batch_kernels", lambda: None)
+    else:
+        assert segcopy.batch_kernels() is kernels
+    sorts = []  # np.unique(..., return_inverse=True): the sorting path
+    monkeypatch.setattr(np, "unique", lambda *a, f=np.unique, **k: sorts.append(k.get("return_inverse")) or f(*a, **k))
+    for name, v, ln, n, W, hot in _cases():
+        want = _sorting_route(v, ln, n, W, [] if hot is None else hot)
+        sorts.clear()
+        r = ids.route_ids(v, ln, num_embeddings=n, world_size=W, hot=hot)
+        for f in FIELDS:
+            got = getattr(r, f)
+            assert np.array_equal(got, want[f]) and got.shape == want[f].shape, (name, f)
+        assert r.inverse.dtype == r.unbucketize_permute.dtype == r.bucket_values.dtype == np.int64, name
+        assert r.owner.dtype == r.bucket_lengths.dtype == np.int32 and r.hot.dtype == bool, name
+        assert any(sorts) == (name == "wide: sorted"), (name, sorts)
+
+
+def test_route_ids_compiled_equals_numpy_and_the_sort_fallback(monkeypatch):
+    """The compiled route, the numpy route and both with the bitset turned off (every span
+    sorted) give equal arrays of equal dtypes on a batch-sized Zipf key."""
+    from userwise.pipelines.loader.assembly import ids, segcopy
+
+    rng = np.random.default_rng(4)
+    ln = rng.integers(0, 600, 200)
+    v = np.minimum(rng.zipf(1.1, int(ln.sum())), 2 * 10**6) - 1
+    hot = np.arange(0, 20_000, 7)
+    runs = {}
+    for impl in ("numba", "numpy"):
+        for bound in ("bitset", "sorted"):
+            with monkeypatch.context() as m:
+                if impl == "numpy":
+                    m.setattr(segcopy, "batch_kernels", lambda: None)
+                if bound == "sorted":
+                    m.setattr(ids, "DENSE_BITS", 0)
+                    m.setattr(ids, "NUMPY_DENSE", 0)
+                    m.setattr(ids, "_dense", lambda *a: False)
+                runs[impl, bound] = ids.route_ids(v, ln, num_embeddings=10**6, world_size=64, hot=hot)
+    ref = runs["numba", "bitset"]
+    for key, r in runs.items():
+        for f in FIELDS:
+            a, b = getattr(r, f), getattr(ref, f)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (key, f)
+
+
+def test_route_ids_without_numba_in_a_fresh_process(tmp_path):
+    """USERWISE_NO_NUMBA=1: route_ids runs in numpy (the loader's choice, logged) and gives the
+    compiled route's arrays."""
+    import os
+    import subprocess
+    import sys
+
+    from userwise.pipelines.loader.assembly.ids import route_ids
+
+    rng = np.random.default_rng(9)
+    ln = rng.integers(0, 50, 100)
+    v = rng.integers(0, 3000, int(ln.sum()))
+    np.savez(tmp_path / "in.npz", v=v, ln=ln)
+    code = ("import numpy as np; from userwise.pipelines.loader.assembly import ids, segcopy; "
+            f"d = np.load({str(tmp_path / 'in.npz')!r}); "
+            "r = ids.route_ids(d['v'], d['ln'], num_embeddings=2500, world_size=6, hot=[1, 2]); "
+            f"np.savez({str(tmp_path / 'out.npz')!r}, **{{f: getattr(r, f) for f in {FIELDS!r}}}); "
+            "print(segcopy.implementation())")
+    env = dict(os.environ, USERWISE_NO_NUMBA="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["numpy"]
+    got = np.load(tmp_path / "out.npz")
+    want = route_ids(v, ln, num_embeddings=2500, world_size=6, hot=[1, 2])
+    for f in FIELDS:
+        assert got[f].dtype == getattr(want, f).dtype and np.array_equal(got[f], getattr(want, f)), f
+
+
+def test_past_the_table_and_wide_ids_against_fbgemm():
+    """Ids past the table's rows (overflow: rank i % W) and ids too wide for the bitset (sorted)
+    bucket as fbgemm's block_bucketize_sparse_features does."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from userwise.pipelines.loader.assembly.ids import route_ids
+
+    rng = np.random.default_rng(1)
+    ln = rng.integers(0, 30, 64)
+    n = int(ln.sum())
+    for name, v, rows, W in [("past", rng.integers(0, 9000, n), 5000, 8),
+                             ("wide", np.where(rng.random(n) < 0.5, rng.integers(0, 1 << 40, n),
+                                               rng.integers(0, 100, n)), 1 << 38, 4)]:
+        kjt = KeyedJaggedTensor.from_lengths_sync(["k"], torch.from_numpy(v), torch.from_numpy(ln))
+        lengths, values, perm = _fbgemm_buckets(kjt, ["k"], {"k": rows}, W)
+        r = route_ids(v, ln, num_embeddings=rows, world_size=W)
+        assert np.array_equal(r.bucket_lengths.reshape(W, -1), lengths[:, 0, :]), name
+        assert np.array_equal(r.bucket_values, values), name
+        assert np.array_equal(r.unbucketize_permute, perm), name
+        assert np.array_equal(r.unique[r.inverse], v), name

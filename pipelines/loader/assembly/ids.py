@@ -2,9 +2,10 @@
 
 A trainer that shards its embedding tables row-wise over ``W`` ranks starts each forward
 pass by (1) taking the unique ids of the batch and keeping ``inverse_indices`` and (2)
-sending each id to the rank that owns its row. :func:`route_ids` does both for one id key in
-numpy (vectorised, no Python loop over bags or ids), so a loader worker can do it while the
-trainer trains:
+sending each id to the rank that owns its row. :func:`route_ids` does both for one id key
+without sorting the ids (a bitset of the ids present; a counting sort on the owner, the values
+being in bag order already), in the loader's compiled kernels (:mod:`kernels`) or, without
+numba, in numpy with the same result, so a loader worker can do it while the trainer trains:
 
 - ``unique`` (sorted) and ``inverse`` (``values == unique[inverse]``);
 - ``owner`` of every unique id and ``hot`` (ids in a given hot set, which a trainer keeps
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from userwise.pipelines.errors import ArgumentError
+from userwise.pipelines.loader.assembly import segcopy
 
 __all__ = ["RoutedIds", "IdRouting", "route_ids", "route_batch"]
 
@@ -74,12 +76,58 @@ def _hot_set(hot) -> np.ndarray:
     h = np.asarray(hot)
     if h.ndim != 1 or (h.size and not np.issubdtype(h.dtype, np.integer)):
         raise ArgumentError(f"a hot set must be a 1-d array of integer ids, got {h.dtype} of shape {h.shape}")
-    return np.unique(h.astype(np.int64))
+    h = h.astype(np.int64, copy=False)
+    if bool((h[1:] > h[:-1]).all()):  # sorted, no repeats (IdRouting's): used as it is
+        return np.ascontiguousarray(h)
+    return np.unique(h)
+
+
+# Deduplication without sorting: a bitset over the ids' span [0, max id] when it costs no more than
+# the values themselves (64 bits a value) or fits DENSE_BITS (16 MiB: a 134M-row table); past
+# that (hashed or sparse 64-bit ids) a sort. numpy marks bytes, not bits: a smaller bound.
+DENSE_BITS = 1 << 27
+NUMPY_DENSE = 1 << 24
+
+
+def _dense(span: int, n: int, bound: int, per_value: int) -> bool:
+    return span <= max(bound, per_value * n)
+
+
+def _kernels():
+    """The compiled id kernels (:mod:`kernels`), or None where assembly runs in numpy (numba
+    missing, ``USERWISE_NO_NUMBA=1``, or they failed to compile): :mod:`segcopy` chooses, once."""
+    return segcopy.batch_kernels()
+
+
+def _unique_numpy(v: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    if _dense(span, len(v), NUMPY_DENSE, 8):
+        mark = np.zeros(span, bool)
+        mark[v] = True
+        rank = np.cumsum(mark, dtype=np.int64 if span >= 1 << 31 else np.int32)
+        return np.flatnonzero(mark).astype(np.int64, copy=False), (rank[v] - 1).astype(np.int64)
+    u, inv = np.unique(v, return_inverse=True)
+    return u, inv.astype(np.int64, copy=False).ravel()
+
+
+def _bucketize_numpy(v: np.ndarray, ln: np.ndarray, block: int, W: int):
+    owner, local = _owner_local(v, block, W)
+    B = len(ln)
+    key = owner * B + np.repeat(np.arange(B, dtype=np.int64), ln)
+    # values come in bag order: a stable sort on the owner alone is the (owner, bag) order, and
+    # numpy's stable sort of 8- or 16-bit keys is a radix sort
+    small = np.uint8 if W <= 1 << 8 else np.uint16 if W <= 1 << 16 else np.int64
+    order = np.argsort(owner.astype(small), kind="stable")
+    perm = np.empty(len(v), np.int64)
+    perm[order] = np.arange(len(v), dtype=np.int64)
+    return np.bincount(key, minlength=W * B).astype(np.int32), local[order], perm
 
 
 def route_ids(values, lengths, *, num_embeddings: int, world_size: int, hot=None) -> RoutedIds:
     """One key's ids (``values``, grouped into bags by ``lengths``) deduplicated, flagged hot
     and bucketed by owner for row-wise sharding over ``world_size`` ranks (see the module doc).
+    Compiled (numba) where the loader's kernels are, numpy otherwise: the same arrays. Neither
+    sorts the ids while they span at most ``max(DENSE_BITS, 64 * len(values))`` (a bitset marks
+    the ids present); wider, they are sorted.
 
     Example::
 
@@ -87,8 +135,8 @@ def route_ids(values, lengths, *, num_embeddings: int, world_size: int, hot=None
         r.unique, r.owner                 # [1 3 5 9], [0 0 1 2]   (block 4)
         r.bucket_lengths                  # [1 0 1  1 0 0  1 0 0]: rank-major, bags within
     """
-    v = np.asarray(values).astype(np.int64, copy=False).ravel()
-    ln = np.asarray(lengths).astype(np.int64, copy=False).ravel()
+    v = np.ascontiguousarray(np.asarray(values).astype(np.int64, copy=False).ravel())
+    ln = np.ascontiguousarray(np.asarray(lengths).astype(np.int64, copy=False).ravel())
     if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, (int, np.integer)) or num_embeddings < 1:
         raise ArgumentError(f"num_embeddings must be an int >= 1 (the table's rows), got {num_embeddings!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
@@ -97,24 +145,28 @@ def route_ids(values, lengths, *, num_embeddings: int, world_size: int, hot=None
         raise ArgumentError(f"lengths must be >= 0 and sum to the {len(v)} values, they sum to {int(ln.sum())}")
     if len(v) and int(v.min()) < 0:
         raise ArgumentError(f"ids must be >= 0 to have an owner, got {int(v.min())}")
-    W, B = int(world_size), len(ln)
+    W = int(world_size)
     block = -(-int(num_embeddings) // W)
-    unique, inverse = np.unique(v, return_inverse=True)
-    owner_u, _ = _owner_local(unique, block, W)
+    span = int(v.max()) + 1 if len(v) else 0
     hs = _hot_set(hot)
-    pos = np.searchsorted(hs, unique)
-    is_hot = pos < len(hs)
-    is_hot[is_hot] = hs[pos[is_hot]] == unique[is_hot]
-    owner, local = _owner_local(v, block, W)
-    bag = np.repeat(np.arange(B, dtype=np.int64), ln)
-    key = owner * B + bag
-    order = np.argsort(key, kind="stable")
-    perm = np.empty(len(v), np.int64)
-    perm[order] = np.arange(len(v), dtype=np.int64)
-    return RoutedIds(unique=unique, inverse=inverse.astype(np.int64, copy=False).ravel(),
-                     owner=owner_u.astype(np.int32), hot=is_hot, block_size=block, world_size=W,
-                     bucket_lengths=np.bincount(key, minlength=W * B).astype(np.int32),
-                     bucket_values=local[order], unbucketize_permute=perm)
+    nb = _kernels()
+    if nb is None:
+        unique, inverse = _unique_numpy(v, span)
+        owner_u, _ = _owner_local(unique, block, W)
+        owner_u = owner_u.astype(np.int32)
+        is_hot = np.isin(unique, hs, assume_unique=True)
+        blens, bvals, perm = _bucketize_numpy(v, ln, block, W)
+    else:
+        if _dense(span, len(v), DENSE_BITS, 64):
+            unique, inverse = nb.ids_dense_unique(v, span)
+        else:
+            unique, inverse = np.unique(v, return_inverse=True)
+            inverse = inverse.astype(np.int64, copy=False).ravel()
+        owner_u = nb.ids_owners(unique, block, W)
+        is_hot = nb.ids_hot(unique, hs)
+        blens, bvals, perm = nb.ids_bucketize(v, ln, block, W)
+    return RoutedIds(unique=unique, inverse=inverse, owner=owner_u, hot=is_hot, block_size=block, world_size=W,
+                     bucket_lengths=blens, bucket_values=bvals, unbucketize_permute=perm)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@
   (:mod:`program`): an int64 table with one row per array of the batch, its
   columns the fields of :class:`OpRow`, its first column an :class:`Op`.
   The arrays the rows name are passed as :class:`Sources` tables.
+- :func:`ids_dense_unique`, :func:`ids_owners`, :func:`ids_hot`, :func:`ids_bucketize`: a key's
+  ids deduplicated without sorting (a bitset over the ids' span) and bucketed by owner with a
+  counting sort (:func:`ids.route_ids`; numpy gives the same arrays without them).
 """
 
 from enum import IntEnum
@@ -13,6 +16,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -288,6 +292,131 @@ def batch_fill(out, ops, a, b, bsrc, isrc, pos, numel, align, total):  # pragma:
         out[q] = 0
 
 
+@intrinsic
+def _popcount(typingctx, x):
+    """The set bits of a uint64 (``llvm.ctpop``: one instruction where the CPU has it)."""
+    if not (isinstance(x, types.Integer) and x.bitwidth == 64 and not x.signed):
+        return None
+    sig = types.uint64(x)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
+                                            "llvm.ctpop.i64")
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def ids_dense_unique(v, span):  # pragma: no cover (compiled; covered through ids.route_ids)
+    """``np.unique(v, return_inverse=True)`` for ids in ``[0, span)`` without sorting: a bitset
+    of the ids present, the ids read back in order, each id's index the set bits below it
+    (int64 arrays)."""
+    nw = (span + 63) >> 6
+    bits = np.zeros(nw, np.uint64)
+    for i in range(v.shape[0]):
+        x = v[i]
+        bits[x >> 6] |= np.uint64(1) << np.uint64(x & 63)
+    below = np.empty(nw, np.int64)  # unique ids in the words before
+    c = 0
+    for w in range(nw):
+        below[w] = c
+        c += np.int64(_popcount(bits[w]))
+    uniq = np.empty(c, np.int64)
+    k = 0
+    for w in range(nw):
+        b = bits[w]
+        while b:
+            low = b & (~b + np.uint64(1))
+            uniq[k] = (w << 6) + np.int64(_popcount(low - np.uint64(1)))
+            k += 1
+            b ^= low
+    inv = np.empty(v.shape[0], np.int64)
+    for i in range(v.shape[0]):
+        x = v[i]
+        w = x >> 6
+        mask = (np.uint64(1) << np.uint64(x & 63)) - np.uint64(1)
+        inv[i] = below[w] + np.int64(_popcount(bits[w] & mask))
+    return uniq, inv
+
+
+@numba.njit(nogil=True, cache=True)
+def ids_owners(u, block, world):  # pragma: no cover (compiled; covered through ids.route_ids)
+    """The rank owning each id (fbgemm's block rule, ``i % world`` past ``block * world``), int32."""
+    out = np.empty(u.shape[0], np.int32)
+    edge = block * world
+    for i in range(u.shape[0]):
+        x = u[i]
+        out[i] = x // block if x < edge else x % world
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def ids_hot(u, hot):  # pragma: no cover (compiled; covered through ids.route_ids)
+    """``np.isin(u, hot)`` for two sorted, duplicate-free int64 arrays: one merge."""
+    out = np.zeros(u.shape[0], np.bool_)
+    j = 0
+    for i in range(u.shape[0]):
+        while j < hot.shape[0] and hot[j] < u[i]:
+            j += 1
+        if j == hot.shape[0]:
+            break
+        out[i] = hot[j] == u[i]
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def ids_bucketize(v, lengths, block, world):  # pragma: no cover (compiled; covered through ids.route_ids)
+    """fbgemm's ``block_bucketize_sparse_features`` of one key: bucket lengths ``[world * bags]``
+    (int32, rank-major), local rows in rank then bag order, and each value's place in them
+    (int64). A counting sort on the owner: the values are in bag order already, so a stable
+    placement by owner is the (owner, bag) order."""
+    n = v.shape[0]
+    nb = lengths.shape[0]
+    edge = block * world
+    fast = edge <= 1 << 50  # x * (1 / block) is then within one of x // block: corrected below
+    inv = 1.0 / block
+    owner = np.empty(n, np.int32)
+    local = np.empty(n, np.int64)
+    start = np.zeros(world + 1, np.int64)
+    blen = np.zeros(world * nb, np.int32)
+    i = 0
+    for b in range(nb):
+        for _ in range(lengths[b]):
+            x = v[i]
+            if x < edge:
+                if fast:  # an integer division costs ~20 cycles: a multiply and a correction instead
+                    o = np.int64(x * inv)
+                    r = x - o * block
+                    if r < 0:
+                        o -= 1
+                        r += block
+                    elif r >= block:
+                        o += 1
+                        r -= block
+                else:
+                    o = x // block
+                    r = x - o * block
+            else:
+                o = x % world
+                r = x // world
+            owner[i] = o
+            local[i] = r
+            start[o + 1] += 1
+            blen[o * nb + b] += 1
+            i += 1
+    for w in range(world):
+        start[w + 1] += start[w]
+    out = np.empty(n, np.int64)
+    perm = np.empty(n, np.int64)
+    for i in range(n):
+        o = owner[i]
+        p = start[o]
+        start[o] = p + 1
+        out[p] = local[i]
+        perm[i] = p
+    return blen, out, perm
+
+
 def warm() -> None:
     """Run every batch kernel once on tiny inputs (compiles them, or loads them from numba's
     cache), so that worker processes forked afterwards inherit them compiled."""
@@ -306,3 +435,8 @@ def warm() -> None:
     ro.flags.writeable = False  # string bytes straight from Arrow are read-only: a type of their own to numba
     for d in (data, ro):
         perm_strings(d, np.array([[0, 2, 4]], np.int64), one, one, np.zeros(2, np.uint8), np.zeros((1, 2), np.int64))
+    ids = np.array([3, 70, 3], np.int64)  # the id kernels (ids.route_ids)
+    u, _ = ids_dense_unique(ids, 71)
+    ids_owners(u, 36, 2)
+    ids_hot(u, u[:1])
+    ids_bucketize(ids, np.array([2, 1], np.int64), 36, 2)
