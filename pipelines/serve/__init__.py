@@ -27,7 +27,8 @@ Modules, in the order a request flows through them:
 - ``build_replay``: the replay (``userwise replay``): a trace's requests served through
   the cache and through a full recompute, with a seeded model or a checkpoint's
   (:class:`~userwise.pipelines.train.Checkpoint`), its sizes and the disk tier's folder
-  bounded;
+  bounded; each user's events held in arrival order (as stored), by action time, or both
+  side by side (``order=``: what late events cost a store sorted by action time);
 - ``replay_report``: the replay's report, from each node's ``KVStore.stats()`` and the
   replay's tallies: logits equal, full and partial reuse and hits per tier, tokens
   recomputed, resident bytes, requests per second.
