@@ -293,8 +293,8 @@ def test_route_ids_equals_the_sorting_route(impl, monkeypatch):
         for f in FIELDS:
             got = getattr(r, f)
             assert np.array_equal(got, want[f]) and got.shape == want[f].shape, (name, f)
-        assert r.inverse.dtype == r.unbucketize_permute.dtype == r.bucket_values.dtype == np.int64, name
-        assert r.owner.dtype == r.bucket_lengths.dtype == np.int32 and r.hot.dtype == bool, name
+        assert r.unique.dtype == r.bucket_values.dtype == np.int64 and r.hot.dtype == bool, name
+        assert r.inverse.dtype == r.unbucketize_permute.dtype == r.owner.dtype == r.bucket_lengths.dtype == np.int32, name
         assert any(sorts) == (name == "wide: sorted"), (name, sorts)
 
 

@@ -40,7 +40,10 @@ PER = ("sample", "request", "impression")
 class RoutedIds:
     """One id key of one batch, deduplicated and bucketed by owner (numpy arrays; see the
     module doc). ``sends`` (int64 ``[W]``): unique ids that are not hot, per owner: what the
-    deduplicated all-to-all sends to each rank.
+    deduplicated all-to-all sends to each rank. dtypes: ``unique`` and ``bucket_values`` int64;
+    ``inverse``, ``unbucketize_permute`` (as fbgemm gives it), ``owner`` and ``bucket_lengths``
+    int32 (a batch key holds fewer than 2^31 values), which halves what the workers send for them;
+    ``hot`` bool.
 
     Example::
 
@@ -103,10 +106,10 @@ def _unique_numpy(v: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     if _dense(span, len(v), NUMPY_DENSE, 8):
         mark = np.zeros(span, bool)
         mark[v] = True
-        rank = np.cumsum(mark, dtype=np.int64 if span >= 1 << 31 else np.int32)
-        return np.flatnonzero(mark).astype(np.int64, copy=False), (rank[v] - 1).astype(np.int64)
+        rank = np.cumsum(mark, dtype=np.int32)
+        return np.flatnonzero(mark).astype(np.int64, copy=False), rank[v] - np.int32(1)
     u, inv = np.unique(v, return_inverse=True)
-    return u, inv.astype(np.int64, copy=False).ravel()
+    return u, inv.astype(np.int32).ravel()
 
 
 def _bucketize_numpy(v: np.ndarray, ln: np.ndarray, block: int, W: int):
@@ -117,8 +120,8 @@ def _bucketize_numpy(v: np.ndarray, ln: np.ndarray, block: int, W: int):
     # numpy's stable sort of 8- or 16-bit keys is a radix sort
     small = np.uint8 if W <= 1 << 8 else np.uint16 if W <= 1 << 16 else np.int64
     order = np.argsort(owner.astype(small), kind="stable")
-    perm = np.empty(len(v), np.int64)
-    perm[order] = np.arange(len(v), dtype=np.int64)
+    perm = np.empty(len(v), np.int32)
+    perm[order] = np.arange(len(v), dtype=np.int32)
     return np.bincount(key, minlength=W * B).astype(np.int32), local[order], perm
 
 
@@ -143,6 +146,8 @@ def route_ids(values, lengths, *, num_embeddings: int, world_size: int, hot=None
         raise ArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
     if (ln < 0).any() or int(ln.sum()) != len(v):
         raise ArgumentError(f"lengths must be >= 0 and sum to the {len(v)} values, they sum to {int(ln.sum())}")
+    if len(v) >= 1 << 31:
+        raise ArgumentError(f"a key of one batch holds at most 2^31 - 1 ids, got {len(v)}: make the batches smaller")
     if len(v) and int(v.min()) < 0:
         raise ArgumentError(f"ids must be >= 0 to have an owner, got {int(v.min())}")
     W = int(world_size)
@@ -161,7 +166,7 @@ def route_ids(values, lengths, *, num_embeddings: int, world_size: int, hot=None
             unique, inverse = nb.ids_dense_unique(v, span)
         else:
             unique, inverse = np.unique(v, return_inverse=True)
-            inverse = inverse.astype(np.int64, copy=False).ravel()
+            inverse = inverse.astype(np.int32).ravel()
         owner_u = nb.ids_owners(unique, block, W)
         is_hot = nb.ids_hot(unique, hs)
         blens, bvals, perm = nb.ids_bucketize(v, ln, block, W)

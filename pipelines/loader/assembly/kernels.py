@@ -309,8 +309,8 @@ def _popcount(typingctx, x):
 @numba.njit(nogil=True, cache=True)
 def ids_dense_unique(v, span):  # pragma: no cover (compiled; covered through ids.route_ids)
     """``np.unique(v, return_inverse=True)`` for ids in ``[0, span)`` without sorting: a bitset
-    of the ids present, the ids read back in order, each id's index the set bits below it
-    (int64 arrays)."""
+    of the ids present, the ids read back in order (int64), each id's index the set bits below
+    it (int32)."""
     nw = (span + 63) >> 6
     bits = np.zeros(nw, np.uint64)
     for i in range(v.shape[0]):
@@ -330,7 +330,7 @@ def ids_dense_unique(v, span):  # pragma: no cover (compiled; covered through id
             uniq[k] = (w << 6) + np.int64(_popcount(low - np.uint64(1)))
             k += 1
             b ^= low
-    inv = np.empty(v.shape[0], np.int64)
+    inv = np.empty(v.shape[0], np.int32)
     for i in range(v.shape[0]):
         x = v[i]
         w = x >> 6
@@ -367,8 +367,8 @@ def ids_hot(u, hot):  # pragma: no cover (compiled; covered through ids.route_id
 @numba.njit(nogil=True, cache=True)
 def ids_bucketize(v, lengths, block, world):  # pragma: no cover (compiled; covered through ids.route_ids)
     """fbgemm's ``block_bucketize_sparse_features`` of one key: bucket lengths ``[world * bags]``
-    (int32, rank-major), local rows in rank then bag order, and each value's place in them
-    (int64). A counting sort on the owner: the values are in bag order already, so a stable
+    (int32, rank-major), local rows in rank then bag order (int64), and each value's place in
+    them (int32). A counting sort on the owner: the values are in bag order already, so a stable
     placement by owner is the (owner, bag) order."""
     n = v.shape[0]
     nb = lengths.shape[0]
@@ -407,7 +407,7 @@ def ids_bucketize(v, lengths, block, world):  # pragma: no cover (compiled; cove
     for w in range(world):
         start[w + 1] += start[w]
     out = np.empty(n, np.int64)
-    perm = np.empty(n, np.int64)
+    perm = np.empty(n, np.int32)
     for i in range(n):
         o = owner[i]
         p = start[o]
