@@ -1,5 +1,7 @@
 """A user with 100K events and requests at L = 16,000 pre-shards, stages, loads and serves,
-in bounded memory, without Spark (issue #56, point 3).
+in bounded memory, without Spark (issue #56, point 3). The Spark half, the real build and
+preshard of a log with such a user on the default local Spark, then stage, load and serve, is
+tests/builder/test_long_user_build.py.
 
 The sample is :func:`~userwise.pipelines.tools.shardgen.long_user_samples`: one chunk of
 100,000 stored events whose 8 requests are spread over the history (the last sees events
