@@ -35,6 +35,9 @@ COLUMN_ROLES = {
     "request": "str",
     "request_time": "str",
     "action_time": "str",
+    # when each action reached serving (lean input; docs/pointer.md): a request sees the events
+    # that had arrived before it, in arrival order
+    "arrival_time": "str",
     "item": "str",
     "position": "str",
     "labels": "list",
@@ -50,7 +53,9 @@ COLUMN_ROLES = {
 }
 REQUIRED_ROLES = ("user", "request_time", "item", "labels")
 REQUEST_SCOPES = ("global", "day", "user")
-ACTION_ROLES = {"user": "str", "item": "str", "time": "str", "labels": "str|list", "item_features": "list"}
+ACTION_ROLES = {"user": "str", "item": "str", "time": "str", "labels": "str|list", "item_features": "list",
+                "arrival": "str"}
+NULL_ARRIVALS = ("lag", "quarantine")
 TOP_KEYS = {
     "columns": None,
     "time_unit": "ms",
@@ -79,6 +84,12 @@ TOP_KEYS = {
     # events per block of the event chain every sample carries (schemas.hashing): a serving
     # cache verifies its K/V against it in blocks of this many events (its page size)
     "chain_block": 64,
+    # with an arrival column (columns.arrival_time, columns.actions.arrival): how far an arrival
+    # may precede its action time (a client clock running ahead) before the row is quarantined
+    # (arrival_before_action), and what a null arrival of an action means: lag (it arrived at
+    # its action time + availability_lag) or quarantine (null_arrival_time)
+    "arrival_skew": "5m",
+    "null_arrival": "lag",
     # the id statistics' hot / warm / cold split (id_stats): per id column and set, the
     # most looked-up ids fill the hot budget (kept data-parallel on every GPU), the next the
     # warm one (sharded in GPU memory), the rest are cold (CPU memory or SSD). A budget is a
@@ -102,6 +113,7 @@ class ActionsConfig:
     time: str
     labels: tuple[str, ...] | str  # list of label columns, or one bits column
     item_features: tuple[str, ...] = ()
+    arrival: str | None = None  # when each action reached serving (None: action time + lag)
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,8 @@ class Config:
     skew_bucket_seconds: int = 3600
     availability_lag: int | str = 0
     chain_block: int = 64
+    arrival_skew: int | str = "5m"
+    null_arrival: str = "lag"
     hot_budget: int | str = "256MiB"
     warm_budget: int | str = "16GiB"
     embedding_dim: int = 128
@@ -170,6 +184,17 @@ class Config:
         """``availability_lag`` in time units: a request at t sees the events before t - lag."""
         return duration_units(self.availability_lag, self.time_unit)
 
+    @property
+    def arrivals(self) -> bool:
+        """Whether events carry an arrival time (an arrival column of the impressions or of the
+        action log): then a request sees the events that had arrived before it, in arrival order."""
+        return bool(self.col("arrival_time")) or (self.actions is not None and self.actions.arrival is not None)
+
+    @property
+    def skew_units(self) -> int:
+        """``arrival_skew`` in time units: how far an arrival may precede its action time."""
+        return duration_units(self.arrival_skew, self.time_unit, "arrival_skew")
+
     def storage(self) -> Config:
         """The same config with every column named by its storage name (as the Spark
         frames and our tables name input columns; schemas.layout.storage_name)."""
@@ -186,7 +211,8 @@ class Config:
         if actions is not None:
             labels = tuple(n(c) for c in actions.labels) if isinstance(actions.labels, tuple) else n(actions.labels)
             actions = ActionsConfig(user=n(actions.user), item=n(actions.item), time=n(actions.time), labels=labels,
-                                    item_features=tuple(n(c) for c in actions.item_features))
+                                    item_features=tuple(n(c) for c in actions.item_features),
+                                    arrival=None if actions.arrival is None else n(actions.arrival))
         return dataclasses.replace(self, columns=cols, actions=actions)
 
     def to_dict(self) -> dict:
@@ -200,6 +226,7 @@ class Config:
                 "time": a.time,
                 "labels": list(a.labels) if isinstance(a.labels, tuple) else a.labels,
                 "item_features": list(a.item_features),
+                **({"arrival": a.arrival} if a.arrival is not None else {}),
             }
         return out
 
@@ -224,6 +251,7 @@ class Config:
             self.col("request"),
             self.col("request_time"),
             self.col("action_time"),
+            self.col("arrival_time"),
             self.col("item"),
             self.col("position"),
             *self.cols("labels"),
@@ -258,13 +286,15 @@ class Config:
             passthrough=passthrough,
             snapshot=snapshot,
             input_schema=schema,
+            arrival_time=f(self.col("arrival_time")),
+            arrivals=self.arrivals,
         )
 
 
 SECONDS_PER_DAY = 86400
 
 
-def duration_units(value: Any, time_unit: str) -> int:
+def duration_units(value: Any, time_unit: str, key: str = "availability_lag") -> int:
     """A duration of the config (``availability_lag``: ``0`` or a whole number with its unit,
     one of :data:`DURATION_UNITS`: ``500ms``, ``30s``, ``5m``, ``2h``, ``1d``) in ``time_unit``
     units. ConfigError when it is not one, or not a whole number of time units.
@@ -277,12 +307,12 @@ def duration_units(value: Any, time_unit: str) -> int:
         return 0
     m = re.fullmatch(r"\s*(\d+)\s*([a-z]+)\s*", value) if isinstance(value, str) else None
     if m is None or m.group(2) not in DURATION_UNITS:
-        raise ConfigError("availability_lag", f"expected 0 or a duration with its unit "
+        raise ConfigError(key, f"expected 0 or a duration with its unit "
                           f"({', '.join(DURATION_UNITS)}), e.g. 30s or 500ms; found {value!r}")
     micros = int(m.group(1)) * DURATION_UNITS[m.group(2)]
     per = 1_000_000 // UNITS_PER_SECOND[time_unit]  # microseconds per time unit
     if micros % per:
-        raise ConfigError("availability_lag", f"{value!r} is not a whole number of time_unit {time_unit}; "
+        raise ConfigError(key, f"{value!r} is not a whole number of time_unit {time_unit}; "
                           f"write it in {time_unit} or a larger unit")
     return micros // per
 
@@ -413,6 +443,9 @@ def parse(raw: Any, source: str | None = None) -> Config:
             raise ConfigError(f"columns.id_features[{i}]", f"{c!r} is not one of item_features, context_features "
                               "or user_features; list a feature column (the item is always counted)")
     lag = duration_units(opts["availability_lag"], opts["time_unit"])
+    duration_units(opts["arrival_skew"], opts["time_unit"], "arrival_skew")
+    if opts["null_arrival"] not in NULL_ARRIVALS:
+        raise ConfigError("null_arrival", f"{short(opts['null_arrival'])} is not one of {', '.join(NULL_ARRIVALS)}")
     seq = cols.get("sequence")
     if seq is not None:
         if not seq:
@@ -425,6 +458,9 @@ def parse(raw: Any, source: str | None = None) -> Config:
         if lag:
             raise ConfigError("availability_lag", "fat rows carry their own snapshots: what each request saw is "
                               "its snapshot, so a lag has nothing to move; remove availability_lag (or set it to 0)")
+        if cols.get("arrival_time"):
+            raise ConfigError("columns.arrival_time", "fat rows carry their own snapshots: what each request saw is "
+                              "its snapshot, so an arrival time has nothing to decide; remove arrival_time")
     actions = None
     a = cols.get("actions")
     if a is not None:
@@ -454,6 +490,7 @@ def parse(raw: Any, source: str | None = None) -> Config:
         actions = ActionsConfig(
             user=a["user"], item=a["item"], time=a["time"],
             labels=tuple(labels) if isinstance(labels, list) else labels, item_features=afeat,
+            arrival=a.get("arrival"),
         )
         if seq is not None:
             raise ConfigError("columns.actions", "an action log is for lean input; fat rows carry their sequence")
@@ -598,7 +635,7 @@ def _missing(key: str, col: str, schema: pa.Schema) -> ConfigError:
 def check_columns(cfg: Config, schema: pa.Schema) -> None:
     """Every mapped column exists, with a type its role can use."""
     names = set(schema.names)
-    singles = ["user", "request", "request_time", "action_time", "item", "position"]
+    singles = ["user", "request", "request_time", "action_time", "arrival_time", "item", "position"]
     for role in singles:
         c = cfg.col(role)
         if c is not None and c not in names:
@@ -619,7 +656,7 @@ def check_columns(cfg: Config, schema: pa.Schema) -> None:
             raise ConfigError(
                 f"columns.labels[{i}]", f"column {c!r} is {t}, not numeric; map a numeric column or cast it"
             )
-    for role in ("request_time", "action_time"):
+    for role in ("request_time", "action_time", "arrival_time"):
         c = cfg.col(role)
         if c is not None and not _time_like(_plain(schema.field(c).type)):
             raise ConfigError(
@@ -659,10 +696,13 @@ def check_actions_columns(cfg: Config, schema: pa.Schema) -> None:
     if not all(c in schema.names for c in (a.user, a.item, a.time)) and \
             all(storage_name(c) in schema.names for c in (a.user, a.item, a.time)):
         a = cfg.storage().actions
-    for role in ("user", "item", "time"):
+    for role in ("user", "item", "time", "arrival"):
         c = getattr(a, role)
-        if c not in schema.names:
+        if c is not None and c not in schema.names:
             raise _missing(f"columns.actions.{role}", c, schema)
+    if a.arrival is not None and not _time_like(_plain(schema.field(a.arrival).type)):
+        raise ConfigError("columns.actions.arrival", f"column {a.arrival!r} is {schema.field(a.arrival).type}; "
+                          f"expected integer epoch ({cfg.time_unit}) or a timestamp")
     labels = a.labels if isinstance(a.labels, tuple) else (a.labels,)
     for i, c in enumerate(labels):
         if c not in schema.names:

@@ -62,7 +62,7 @@ TIME_UNITS = tuple(UNITS_PER_SECOND)
 # Names of our own sequence and event fields (after seq_, ev_, ovr_, snap_) and of the
 # samples' num_events: a user's feature or snapshot role of one of these names is stored as _<name>.
 RESERVED = frozenset({"ts", "item", "action", "len", "time", "req", "req_time", "req_id", "pos", "offsets",
-                      "user", "date", "kind", "chunk"})
+                      "user", "date", "kind", "chunk", "arrival"})
 # Characters a storage name writes as %XX: Spark column paths (., `), Delta's refused
 # characters (space , ; { } ( ) newline tab =) and the escape itself.
 _ESCAPE = frozenset(" ,;{}()\n\t=.`%")
@@ -184,6 +184,10 @@ class Layout:
     passthrough: tuple[pa.Field, ...]
     snapshot: tuple[SeqField, ...]  # fat only: role -> list column
     input_schema: pa.Schema
+    # lean only: the impressions' arrival column (when an action reached serving), and
+    # whether events carry an arrival time at all (this column or the action log's)
+    arrival_time: pa.Field | None = None
+    arrivals: bool = False
 
     # -- levels -------------------------------------------------------------
     @property
@@ -252,6 +256,8 @@ class Layout:
         out = [SeqField("ts", pa.int64()), SeqField("item", self.item.type)]
         out += [SeqField(field_name(f.name), f.type, f.name) for f in self.item_features]
         out.append(SeqField("action", pa.int64()))
+        if self.arrivals:
+            out.append(SeqField("arrival", pa.int64()))
         return tuple(out)
 
     def to_json(self) -> str:
@@ -279,6 +285,8 @@ class Layout:
             "seq_fields": [s.name for s in self.seq_fields],
             "input_columns": self.input_schema.names,
             "request_derived": self.derived_request_columns,
+            # only with an arrival column, so a layout without one keeps today's roles
+            **({"arrival_time": n(self.arrival_time), "arrivals": True} if self.arrivals else {}),
         }
 
 

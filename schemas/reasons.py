@@ -24,12 +24,15 @@ REQUEST_USER_CONFLICT = "request_user_conflict"
 REQUEST_INCONSISTENT = "request_inconsistent"
 SNAPSHOT_MISMATCH = "snapshot_mismatch"
 POSITION_CONFLICT = "position_conflict"
+NULL_ARRIVAL_TIME = "null_arrival_time"
+ARRIVAL_BEFORE_ACTION = "arrival_before_action"
+ARRIVAL_BEFORE_REQUEST = "arrival_before_request"
 
 REASONS: dict[str, str] = {
     NULL_USER: "the user key is null",
     NULL_REQUEST: "the request key is null",
     NULL_TIME: "the request time (an action log's action time) is null",
-    BAD_TIME: "a request or action time outside min_year..max_year",
+    BAD_TIME: "a request, action or arrival time outside min_year..max_year",
     NULL_ITEM: "the item is null",
     NULL_POSITION: "the position is null",
     BAD_LABEL: "a label is null, NaN or infinite",
@@ -41,4 +44,7 @@ REASONS: dict[str, str] = {
     REQUEST_INCONSISTENT: "request-level columns differ between the request's rows (the whole request)",
     SNAPSHOT_MISMATCH: "fat rows: impressions of one request carry different snapshots (the whole request)",
     POSITION_CONFLICT: "two different rows of one request at one position (both)",
+    NULL_ARRIVAL_TIME: "an action without an arrival time, where the config's null_arrival is quarantine",
+    ARRIVAL_BEFORE_ACTION: "the action arrived earlier than its action time less the config's arrival_skew",
+    ARRIVAL_BEFORE_REQUEST: "an impression's action arrived before its own request (it would be visible to it)",
 }

@@ -182,6 +182,8 @@ SEQ_DOCS = {
     "ts": "action time, in time_unit",
     "item": "item id (the input's item column and type)",
     "action": ACTION_DOC,
+    "arrival": "arrival time: when the event reached serving (the arrival column, else action time + "
+               "availability_lag), in time_unit; the stream is in arrival order",
 }
 EVENT_LIST = "per event, oldest first: "
 OVERRIDE_LIST = "fat rows, per override event (ovr_offsets splits them): "
@@ -225,7 +227,8 @@ REQUEST_KEY_DOC = "request key: the input's request column (its type), or req_ti
 
 def event_fields(layout: Layout) -> tuple[Field, ...]:
     """Sequence events with their full sort key (action_time, request_time,
-    request_id, position, item, action bits, features), nulls first.
+    request_id, position, item, action bits, features), nulls first; with an arrival
+    column, ``ev_arrival`` (last) leads the key (:func:`sort_key`).
 
     Example::
 
@@ -242,7 +245,7 @@ def event_fields(layout: Layout) -> tuple[Field, ...]:
     for sf in layout.seq_fields:
         if sf.name == "ts":
             continue
-        out.append(Field(EV + sf.name, sf.type, True, seq_doc(layout, sf)))
+        out.append(Field(EV + sf.name, sf.type, sf.name != "arrival", seq_doc(layout, sf)))
     return tuple(out)
 
 
@@ -254,6 +257,9 @@ def sort_key(layout: Layout) -> list[str]:
         sort_key(layout)                       # ['ev_ts', 'ev_req_time', 'ev_req_id', 'ev_pos', ...]
     """
     keys = [EV + "ts", EV + "req_time", EV + "req_id", EV + "pos", EV + "item"]
+    if layout.arrivals:
+        # arrival order (docs/pointer.md): every request's view is a prefix of the stream
+        keys.insert(0, EV + "arrival")
     if not layout.fat:
         keys.append(EV + "action")
     keys += [EV + sf.name for sf in layout.seq_fields if EV + sf.name not in keys]
@@ -337,8 +343,8 @@ def history_schema(layout: Layout) -> TableSchema:
 def chain_fields(layout: Layout) -> tuple[SeqField, ...]:
     """The fields of a stored event its content hash covers, in order (the event chain,
     :mod:`userwise.schemas.hashing`): what the model reads of an event. Lean: the item, each
-    item feature, the action bits (not the time). Fat rows: the item, then every other
-    snapshot role but the time, in the config's order.
+    item feature, the action bits (not the action or arrival time). Fat rows: the item, then
+    every other snapshot role but the time, in the config's order.
 
     Example::
 
@@ -347,7 +353,7 @@ def chain_fields(layout: Layout) -> tuple[SeqField, ...]:
     if layout.fat:
         item = [sf for sf in layout.seq_fields if sf.name == "item"]
         return tuple(item + [sf for sf in layout.seq_fields if sf.name not in ("item", "time")])
-    return tuple(sf for sf in layout.seq_fields if sf.name != "ts")
+    return tuple(sf for sf in layout.seq_fields if sf.name not in ("ts", "arrival"))
 
 
 CHAIN_DOC = "(schemas.hashing: each event's hash over chain_fields, rolled from 42)"

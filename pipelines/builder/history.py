@@ -4,7 +4,10 @@ The events table is the truth. A window's stored stream is, per user, the
 newest L events strictly before its start (L = max_seq_len: all that a request
 of the window can see of the past) plus its own events, both moved back by the
 config's availability lag; the history as of a date D is the newest H events
-strictly before D (the stream's state once the day is over: no lag). Both are one Spark
+strictly before D (the stream's state once the day is over: no lag). With an arrival
+column both go by arrival instead: a window's stream is the newest L events that arrived
+before its start plus those that arrived within it, the history as of D the newest H that
+arrived before D, each in arrival order (docs/pointer.md). Both are one Spark
 computation over the events for any number of dates (the sample sets'
 streams in :func:`pointer.lean_sets`, the history in :func:`newest`): nothing
 replays days or reads an old Delta version.
@@ -71,10 +74,14 @@ def explode_history(layout: Layout, hist: DataFrame) -> DataFrame:
 
 
 def events_between(cfg: Config, events: DataFrame, start: dt.date | None, end: dt.date) -> DataFrame:
+    """The events that reached the stream in days [start, end): by arrival where the events
+    carry one (an arrival column), else by action time (the history is the stream's state
+    once a day is over, no lag)."""
     ups = cfg.units_per_second
-    cond = F.col(EV + "ts") < F.lit(day_start(end, ups))
+    t = F.col(EV + "arrival") if cfg.arrivals else F.col(EV + "ts")
+    cond = t < F.lit(day_start(end, ups))
     if start is not None:
-        cond = cond & (F.col(EV + "ts") >= F.lit(day_start(start, ups)))
+        cond = cond & (t >= F.lit(day_start(start, ups)))
     return events.where(cond)
 
 

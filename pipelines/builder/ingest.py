@@ -6,7 +6,12 @@ reason), left for a later build (request time at or after as-of), or accepted
 
 Canonical columns added to the user's columns (all prefixed ``_``):
 ``_user, _req, _rt (request time in time_unit), _at (action time), _item,
-_pos, _bits (action bits), _date (UTC day of _rt)``.
+_pos, _bits (action bits), _date (UTC day of _rt)``, and with an arrival column
+``_arv`` (its value in time units, null where the row has none).
+
+Arrival times (lean input, docs/pointer.md): an event's arrival is its arrival
+column's value, or its action time + availability_lag where the log has none (or
+the value is null, under ``null_arrival: lag``); the events carry it as ``ev_arrival``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,9 @@ def canonical(cfg: Config, df: DataFrame, input_cols: list[str]) -> Canon:
         F.col(sc.col("item")).alias("_item"),
         _bits(list(sc.action_labels)).alias("_bits"),
     ).withColumn("_date", day_of(F.col("_rt"), ups))
+    arv_col = sc.col("arrival_time")
+    if arv_col:
+        out = out.withColumn("_arv", _to_units(F.col(arv_col), types[arv_col], ups, layout.source_type(arv_col)))
     if pos is None:
         # Input order within the request: the row's place in its file.
         w = Window.partitionBy("_date", "_user", "_req").orderBy("_file", "_row").rowsBetween(
@@ -151,10 +159,40 @@ def row_reasons(cfg: Config, canon: Canon) -> DataFrame:
                        f"action time {outside}"))
         checks.append((act & (F.col("_at") < F.col("_rt")), R.ACTION_BEFORE_REQUEST, cfg.col("action_time"),
                        "the action is timed before its own request"))
+    if cfg.col("arrival_time"):
+        checks += arrival_checks(cfg, F.col("_bits") > 0, cfg.col("arrival_time"), lo, hi, outside)
+        checks.append(((F.col("_bits") > 0) & (F.col("_arv") < F.col("_rt")), R.ARRIVAL_BEFORE_REQUEST,
+                       cfg.col("arrival_time"), "the action arrived before its own request"))
     if "date" in canon.input_cols and isinstance(types.get("date"), T.DateType):
         checks.append((F.col("_date") != F.col("date"), R.WRONG_PARTITION, "date",
                        "the row is filed under another day than its request time's UTC day"))
     return first_reason(df, checks)
+
+
+def arrival_checks(cfg: Config, act: Column, column: str, lo: int, hi: int, outside: str) -> list:
+    """The checks of an arrival column ``_arv`` on the rows that are actions (``act``): a null
+    arrival (when ``null_arrival`` is quarantine), one outside the sane range, one earlier
+    than its action time ``_at`` less ``arrival_skew``."""
+    out = []
+    if cfg.null_arrival == "quarantine":
+        out.append((act & F.col("_arv").isNull(), R.NULL_ARRIVAL_TIME, column, "an action without an arrival time"))
+    out.append((act & _outside(F.col("_arv"), lo, hi), R.BAD_TIME, column, f"arrival time {outside}"))
+    out.append((act & (F.col("_arv") < F.col("_at") - F.lit(cfg.skew_units)), R.ARRIVAL_BEFORE_ACTION, column,
+                f"the action arrived more than arrival_skew ({cfg.arrival_skew}) before its action time"))
+    return out
+
+
+def arrival(cfg: Config) -> Column:
+    """An accepted event's arrival: its arrival column's value (``_arv``), else its action time
+    ``_at`` + availability_lag."""
+    return F.coalesce(F.col("_arv"), F.col("_at") + F.lit(cfg.lag_units)).cast("long")
+
+
+def filled_arrival(cfg: Config, has_column: bool) -> Column:
+    """Whether an accepted action's arrival comes from the lag (null arrival, ``null_arrival: lag``)."""
+    if not has_column:
+        return F.lit(False)
+    return (F.col("_bits") > 0) & F.col("_arv").isNull() & F.col("_reason").isNull()
 
 
 # The config key that governs each reason: what a refused build's error points to when one
@@ -168,6 +206,9 @@ GOVERNING_KEYS = {
     R.NULL_ACTION_TIME: "columns.action_time", R.ACTION_BEFORE_REQUEST: "columns.action_time",
     R.POSITION_CONFLICT: "columns.position", R.REQUEST_INCONSISTENT: "columns.context_features and user_features",
     R.SNAPSHOT_MISMATCH: "columns.sequence",
+    R.NULL_ARRIVAL_TIME: "null_arrival (lag: a null arrival arrives at action time + availability_lag)",
+    R.ARRIVAL_BEFORE_ACTION: "arrival_skew and the arrival column",
+    R.ARRIVAL_BEFORE_REQUEST: "columns.arrival_time",
 }
 
 
@@ -357,6 +398,10 @@ def impression_events(cfg: Config, canon: Canon, accepted: DataFrame) -> DataFra
     ]
     cols += [F.col(f.name).alias(EV + field_name(f.name)) for f in layout.item_features]
     cols.append(F.col("_bits").alias(EV + "action"))
+    if layout.arrivals:
+        if "_arv" not in accepted.columns:  # only the action log has an arrival column
+            accepted = accepted.withColumn("_arv", F.lit(None).cast("long"))
+        cols.append(arrival(cfg).alias(EV + "arrival"))
     return accepted.where(F.col("_bits") > 0).select(cols)
 
 
@@ -378,7 +423,20 @@ def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, D
         label_cols = [a.labels]
     lo, hi, outside = time_range(cfg)
     x = df.select("*", F.col(a.user).alias("_user"), ts.alias("_at"), F.col(a.item).alias("_item"),
-                  bits.alias("_bits")).withColumn("_date", day_of(F.col("_at"), ups))
+                  bits.alias("_bits"))
+    if a.arrival is not None:
+        # a log with arrival times is filed by arrival: its day is the arrival's UTC day, so a
+        # daily job takes the events that arrived that day (and an event is ingested before
+        # any request can see it)
+        src_a = source_field(df.schema[a.arrival])
+        x = x.withColumn("_arv", _to_units(F.col(a.arrival), types[a.arrival], ups,
+                                           None if src_a is None else src_a.type))
+        # (an arrival outside the sane range is quarantined: that row is filed by its action time)
+        lo_, hi_, _ = time_range(cfg)
+        x = x.withColumn("_date", day_of(F.when(_outside(arrival(cfg), lo_, hi_), F.col("_at"))
+                                         .otherwise(arrival(cfg)), ups))
+    else:
+        x = x.withColumn("_date", day_of(F.col("_at"), ups))
     checks = [
         (F.col("_user").isNull(), R.NULL_USER, input_name(a.user), "user key is null"),
         (F.col("_at").isNull(), R.NULL_TIME, input_name(a.time), "action time is null"),
@@ -387,6 +445,8 @@ def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, D
     ]
     checks += [(_is_bad_number(F.col(c), types[c]), R.BAD_LABEL, input_name(c), "label is null, NaN or infinite")
                for c in label_cols]
+    if a.arrival is not None:
+        checks += arrival_checks(cfg, F.col("_bits") > 0, input_name(a.arrival), lo, hi, outside)
     x = first_reason(x, checks)
     ok = x.where(F.col("_reason").isNull() & (F.col("_bits") > 0))
     ev_types = {f.name: f.type for f in S.event_fields(layout)}
@@ -400,4 +460,8 @@ def action_log(cfg: Config, layout: Layout, df: DataFrame) -> tuple[DataFrame, D
     for f, src in zip(layout.item_features, a.item_features):
         cols.append(F.col(src).cast(S.arrow_to_spark(f.type)).alias(EV + field_name(f.name)))
     cols.append(F.col("_bits").alias(EV + "action"))
+    if layout.arrivals:
+        if a.arrival is None:
+            ok = ok.withColumn("_arv", F.lit(None).cast("long"))
+        cols.append(arrival(cfg).alias(EV + "arrival"))
     return ok.select(cols), x

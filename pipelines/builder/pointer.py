@@ -244,9 +244,14 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     (start None: from the beginning, the pretrain set). Every step is per (user, _set), so
     one Spark plan serves them all and one set is the same code.
 
-    Visibility is decided at ``availability_lag`` (D, :attr:`Config.lag_units`) before each
-    time: a request at t sees the events strictly before t - D, and a set's bounds move by D
-    with it. Each user's events are collected once, in the stream's total order, and each
+    Visibility is decided by each event's arrival (docs/pointer.md): a request at t sees the
+    events that arrived strictly before t, the stream in arrival order. With an arrival column
+    the events carry it (``ev_arrival``, first in the sort key); without one an event arrives
+    at its action time + ``availability_lag`` (D, :attr:`Config.lag_units`), a monotone shift
+    of the action time, so the stream stays in action-time order and visibility is decided
+    at D before each time instead: a request at t sees the events strictly before t - D, and
+    a set's bounds move by D with it. Below, "time" is the arrival, or the action time with
+    the bounds moved by D. Each user's events are collected once, in the stream's total order, and each
     (user, set) row slices its stream from them: the newest L events strictly before the
     set's start - D (its base: all a request of the set can see of the past) and the events
     in [start - D, end - D), cut where one sort of the user's events merged with every set's
@@ -261,11 +266,12 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     What a heavy user costs: its events (narrow, in the build's range) are one row and each
     of its sets' request keys another, passed through one task, as the chunk fold needs
     anyway; nothing wide is ever grouped by more than a chunk."""
-    L, lag = cfg.max_seq_len, cfg.lag_units
+    L = cfg.max_seq_len
+    lag = 0 if layout.arrivals else cfg.lag_units
     part = (SET,)
     keys = S.sort_key(layout)
     cols = event_cols(layout)
-    ts = EV + "ts"
+    ts = EV + "arrival" if layout.arrivals else EV + "ts"  # what visibility compares (first in keys)
     # visibility is decided at a time lag before each time: a request's, a set's bounds
     seen = [(None if b is None else b - lag, e - lag) for b, e in bounds]
     ev = events.select("user", *cols).where(F.col(ts) < F.lit(max(e for _, e in seen)))

@@ -86,9 +86,13 @@ def ingest_range(spark, cfg: C.Config, input_path: str, build_dir: str, start: d
     # a later build keep no reason. One scan counts it all.
     df = ingest.cross_row_reasons(cfg, canon, df)
     df = df.withColumn("_reason", F.when(F.col("_later"), F.lit(None)).otherwise(F.col("_reason")))
+    # actions whose null arrival is taken as action time + lag (null_arrival: lag): counted
+    keys = [F.col("_later"), F.col("_reason")]
+    if cfg.col("arrival_time"):
+        keys.append(ingest.filled_arrival(cfg, True).alias("_filled"))
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
     with progress.step("ingest", started=t0) as st:
-        tally = df.groupBy("_later", "_reason").count().collect()  # one row per reason: tiny
+        tally = df.groupBy(*keys).count().collect()  # one row per reason: tiny
         st.rows = sum(int(r["count"]) for r in tally)
     counts_rows = [r for r in tally if not r["_later"]]
     n_later = sum(int(r["count"]) for r in tally if r["_later"])
@@ -111,6 +115,8 @@ def ingest_range(spark, cfg: C.Config, input_path: str, build_dir: str, start: d
         "quarantined": quarantined,
         "after_as_of": n_later,
     }
+    if cfg.col("arrival_time"):
+        counts["arrivals_filled"] = sum(int(r["count"]) for r in counts_rows if r["_filled"])
     if actions_path:
         a_raw = read_spark(spark, actions_path)
         a_cols = [c for c in a_raw.columns if c not in ("_file", "_row")]
@@ -123,15 +129,30 @@ def ingest_range(spark, cfg: C.Config, input_path: str, build_dir: str, start: d
         if start is not None and "date" in a_cols:
             a_raw = _date_filter(a_raw, cfg, start, end)
         a_events, a_checked = ingest.action_log(cfg, layout, a_raw)
-        a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_at") < F.lit(limit)))
+        if cfg.actions.arrival is not None:
+            # filed by arrival: the events that arrive at or after as-of are a later build's
+            a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_date") < F.lit(as_of or end)))
+        else:
+            a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_at") < F.lit(limit)))
         if start is not None:
             a_events = a_events.where((F.col("date") >= F.lit(start)) & (F.col("date") < F.lit(end)))
-        a_events = a_events.where(F.col(EV + "ts") < F.lit(limit))
+        if cfg.actions.arrival is not None:
+            a_events = a_events.where(F.col("date") < F.lit(as_of or end))
+        else:
+            a_events = a_events.where(F.col(EV + "ts") < F.lit(limit))
         aq = ingest.quarantine_rows(a_checked, tuple(a_cols), "actions")
+        a_filled = cfg.actions.arrival is not None
         with progress.step("actions") as st:
-            a_counts = a_checked.groupBy("_reason").count().collect()
+            a_counts = (a_checked.groupBy("_reason", ingest.filled_arrival(cfg, True).alias("_filled")) if a_filled
+                        else a_checked.groupBy("_reason")).count().collect()
             st.rows = sum(int(r["count"]) for r in a_counts)
-        counts["actions_quarantined"] = {r["_reason"]: int(r["count"]) for r in a_counts if r["_reason"]}
+        counts["actions_quarantined"] = {}
+        for r in a_counts:
+            if r["_reason"]:
+                counts["actions_quarantined"][r["_reason"]] = counts["actions_quarantined"].get(r["_reason"], 0) \
+                    + int(r["count"])
+        if a_filled:
+            counts["actions_arrivals_filled"] = sum(int(r["count"]) for r in a_counts if r["_filled"])
         q = q.unionByName(aq)
         events = events.unionByName(a_events)
     rejected = sum(quarantined.values())

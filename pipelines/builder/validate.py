@@ -5,7 +5,8 @@ for the config, the inputs, the column names or types (the same functions check
 both: ``config.parse``, ``inputs.resolve``, ``Config.layout``), and warns, from a
 sample of rows, about what the build would quarantine en masse: rows with a null
 key or a bad label, times outside the sane range, a ``time_unit`` that does not fit
-the data, request ids shared by users within a day.
+the data, request ids shared by users within a day, and bad arrival times (null, out of
+range, too early for their action or request: :func:`arrival_problems`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
             out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) have a {role} ({c!r}) {where}; "
                        "they will be quarantined as bad_time: set min_year/max_year (or time_unit) "
                        "to fit the log")
+    out += arrival_problems(cfg, table)
     req = cfg.col("request")
     if req and cfg.request_scope != "user":
         rt = _epoch(table[rt_name], cfg.time_unit)
@@ -110,6 +112,45 @@ def sample_problems(cfg: C.Config, table: pa.Table) -> list[str]:
             out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) are in requests whose id {req!r} is used "
                        f"by more than one user within a UTC day; they will be quarantined as request_user_conflict: "
                        f"if ids are unique per user only (e.g. they restart every local day), set request_scope: user")
+    return out
+
+
+def arrival_problems(cfg: C.Config, table: pa.Table) -> list[str]:
+    """The arrival column's values the build would quarantine (or fill), on the sampled rows
+    that are actions (an action label > 0): null (``null_arrival``), outside the sane range
+    (``bad_time``), earlier than the action time less ``arrival_skew`` (``arrival_before_action``)
+    or than the row's own request (``arrival_before_request``)."""
+    col = cfg.col("arrival_time")
+    if col is None or not table.num_rows:
+        return []
+    n_rows = table.num_rows
+    act = None
+    for c in cfg.action_labels:
+        pos = pc.greater(table[c].cast(pa.float64()), 0).fill_null(False)
+        act = pos if act is None else pc.or_(act, pos)
+    arv = _epoch(table[col], cfg.time_unit)
+    at_col = cfg.col("action_time") or cfg.col("request_time")
+    at, rt = _epoch(table[at_col], cfg.time_unit), _epoch(table[cfg.col("request_time")], cfg.time_unit)
+    lo, hi, where = C.time_range(cfg)
+    null = pc.and_(act, pc.is_null(arv))
+    bad = pc.and_(act, pc.or_(pc.less(arv, lo), pc.greater_equal(arv, hi)).fill_null(False))
+    early = pc.and_(act, pc.less(arv, pc.subtract(at, cfg.skew_units)).fill_null(False))
+    before = pc.and_(act, pc.less(arv, rt).fill_null(False))
+    count = lambda m: pc.sum(m.cast(pa.int64())).as_py() or 0  # noqa: E731
+    out = []
+    k = count(null)
+    if k:
+        fate = ("they will arrive at their action time + availability_lag (null_arrival: lag)"
+                if cfg.null_arrival == "lag" else "they will be quarantined as null_arrival_time")
+        out.append(f"{k} of {n_rows} sampled rows are actions with a null arrival_time ({col!r}); {fate}")
+    for m, what, reason in ((bad, where, "bad_time"),
+                            (early, f"more than arrival_skew ({cfg.arrival_skew}) before their action time",
+                             "arrival_before_action"),
+                            (before, "before their own request time", "arrival_before_request")):
+        k = count(m)
+        if k:
+            out.append(f"{k / n_rows:.1%} of sampled rows ({k} of {n_rows}) are actions with an arrival_time ({col!r}) "
+                       f"{what}; they will be quarantined as {reason}: check the arrival column (and arrival_skew)")
     return out
 
 
