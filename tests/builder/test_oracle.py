@@ -119,6 +119,51 @@ def test_a_lag_moves_what_a_request_sees_to_its_time_less_the_lag(tmp_path):
     assert run(tmp_path / "c", rows, cfg=cfg, lag=0)[2]["seq_item"] == [10]
 
 
+def test_arrival_times_decide_visibility_and_order_the_stream(tmp_path):
+    """docs/pointer.md's arrival example, L = 3: A acted at 10 and arrived at 11, B acted at 20
+    and arrived at 50, C and E arrived at their action times 30 and 35; requests at 30, 40,
+    51 see [A], [A, C, E], [C, E, B] (B appended: arrival order, not action order). Two
+    events arriving together are ordered by action time; a null arrival arrives at its action
+    time + the lag; an action-log event arriving before its action time is visible from then."""
+    s = 1000
+    rows = [
+        imp(1, 1, "a", 5 * s + T, 10, click=1, ats=10 * s + T),
+        imp(2, 1, "b", 15 * s + T, 20, click=1, ats=20 * s + T),
+        imp(3, 1, "c", 25 * s + T, 30, click=1, ats=30 * s + T),
+        imp(4, 1, "e", 35 * s + T, 35, click=1, ats=35 * s + T),
+        imp(5, 1, "r1", 30 * s + T, 1),
+        imp(6, 1, "r2", 40 * s + T, 2),
+        imp(7, 1, "r3", 51 * s + T, 3),
+        # user 2: two events arriving together (acted 12 and 11: stored 11, 12); a null arrival
+        imp(8, 2, "f", T, 12, click=1, ats=12 * s + T),
+        imp(9, 2, "g", T, 11, pos=1, like=1, ats=11 * s + T),
+        imp(10, 2, "h", 30 * s + T, 13, click=1, ats=31 * s + T),
+        imp(11, 2, "r4", 34 * s + T, 4),
+        imp(12, 2, "r5", 34 * s + T + 1, 5),
+    ]
+    arrival = {1: 11, 2: 50, 3: 30, 4: 35, 8: 20, 9: 20, 10: None}
+    for r in rows:
+        r[E.ARRIVAL_COLUMN] = None if arrival.get(r["row_uid"]) is None else arrival[r["row_uid"]] * s + T
+    acts = [dict(act(2, 14, 33 * s + T, 1), **{E.ACTION_ARRIVAL_COLUMN: 32 * s + T})]  # arrived before its action
+    path = E._write(rows, E._imp_fields(False, False) + [(E.ARRIVAL_COLUMN, E.pa.int64())], tmp_path / "lean")
+    apath = E._write(acts, E.ACT_FIELDS + [(E.ACTION_ARRIVAL_COLUMN, E.pa.int64())], tmp_path / "actions")
+    cfg = E.arrival_config(actions=True, max_seq_len=3, history_length=6, availability_lag="3s")
+    out = O.expected_pointwise(path, cfg, AS_OF, (), actions_path=apath)
+    got = {r["row_uid"]: r for r in out.iter_rows(named=True)}
+    assert [got[u]["seq_item"] for u in (5, 6, 7)] == [[10], [10, 30, 35], [30, 35, 20]]
+    assert got[7]["seq_arrival"] == [30 * s + T, 35 * s + T, 50 * s + T]
+    assert got[7]["seq_ts"] == [30 * s + T, 35 * s + T, 20 * s + T]  # action times: not monotone
+    # user 2: 11 and 12 arrived at 20 (stored by action time); h's null arrives at 31 + 3 = 34:
+    # not visible at 34 (the tie), visible a ms later; the action-log event arrived at 32
+    assert got[11]["seq_item"] == [11, 12, 14] and got[11]["seq_arrival"] == [20 * s + T, 20 * s + T, 32 * s + T]
+    assert got[12]["seq_item"] == [12, 14, 13] and got[12]["seq_arrival"][-1] == 34 * s + T
+    # without the arrival columns: action time order, the lag's rule (r2 sees B, which serving did not have)
+    plain = O.expected_pointwise(path, E.lean_config(actions=True, max_seq_len=3, history_length=6), AS_OF, (),
+                                 actions_path=apath)
+    assert "seq_arrival" not in plain.columns
+    assert {r["row_uid"]: r["seq_item"] for r in plain.iter_rows(named=True)}[6] == [20, 30, 35]
+
+
 def test_action_log_merge_nulls_first(tmp_path):
     rows = [
         imp(1, 1, "a", T, 40, click=1, ats=T + 5000),
@@ -200,12 +245,14 @@ def logs(tmp_path_factory):
         "lean": E.make_lean(d / "lean", actions=True),
         "nan": E.make_lean(d / "nan", float_labels=True),
         "fat": E.make_fat(d / "fat"),
+        "arrival": E.make_lean(d / "arrival", actions=True, arrival=True),
     }
 
 
 def test_every_reason_is_planted(logs):
+    """Every reason but null_arrival_time (a policy's, tests/builder/test_arrival.py) is planted."""
     planted = set(logs["lean"].quarantine_counts()) | set(logs["nan"].quarantine_counts()) | \
-        set(logs["fat"].quarantine_counts())
+        set(logs["fat"].quarantine_counts()) | set(logs["arrival"].quarantine_counts())
     assert planted == set(E.REASON_COLUMNS)
     assert planted <= set(schemas.REASONS)  # the vocabulary's names, as the build gives them
     assert {r for _, r in logs["lean"].rejected_actions} == {R.NULL_USER, R.NULL_ITEM, R.BAD_TIME}

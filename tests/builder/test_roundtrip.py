@@ -40,8 +40,10 @@ WINDOWS = {
 # richest log (lean + action log), every other variant once, each on a different setting.
 # CI time: five builds cover lean + action log (incremental only, both), fat rows (N=1 windows
 # plus pretrain), pretrain only, and lean + action log with an availability lag (N=1 windows plus
-# pretrain); tests/builder/test_build.py adds M=2/N=1 with the action log and a lean log without one.
-CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain"), ("lag", "daily")]
+# pretrain), and lean + action log with arrival columns (late arrivals of every kind, N=1 windows
+# plus pretrain); tests/builder/test_build.py adds M=2/N=1 with the action log and a lean log without one.
+CASES = [("actions", "incremental"), ("actions", "both"), ("fat", "daily"), ("nan", "pretrain"), ("lag", "daily"),
+         ("arrival", "daily")]
 IDS = [f"{v}-{w}" for v, w in CASES]
 
 
@@ -94,6 +96,7 @@ def logs(tmp_path_factory):
         "fat": E.make_fat(d / "fat"),
         "nan": E.make_lean(d / "nan", float_labels=True),
         "lag": E.make_lean(d / "lag", actions=True, lag=True),
+        "arrival": E.make_lean(d / "arrival", actions=True, arrival=True),
     }
 
 
@@ -206,7 +209,7 @@ def _input_row(input_file: str, input_row: int) -> dict:
     return t.slice(input_row, 1).to_pylist()[0]
 
 
-QCASES = [("actions", "both"), ("fat", "daily"), ("nan", "pretrain")]
+QCASES = [("actions", "both"), ("fat", "daily"), ("nan", "pretrain"), ("arrival", "daily")]
 
 
 @pytest.mark.parametrize("case", QCASES, ids=[f"{v}-{w}" for v, w in QCASES])
@@ -230,9 +233,9 @@ def test_quarantine_holds_exactly_the_rejected_rows(case, builder, spark):
         src = by_uid[uid]
         for c in ("user_id", "request_id", "request_ts", "item_id", "position"):
             assert row[c] == src[c], (uid, c, row[c], src[c])
-        col = E.REASON_COLUMNS.get(rec["reason"])
-        if rec["reason"].startswith("null_") or rec["reason"] in ("bad_label", "bad_time",
-                                                                  "action_before_request"):
+        col = log.columns.get(uid, E.REASON_COLUMNS.get(rec["reason"]))
+        if rec["reason"].startswith("null_") or rec["reason"] in ("bad_label", "bad_time", "action_before_request",
+                                                                  "arrival_before_action", "arrival_before_request"):
             assert rec["column"] == col, (rec["reason"], rec["column"])
         if src["request_ts"] is not None:
             assert rec["date"] == E.date_of(src["request_ts"]), (uid, rec["date"])
@@ -321,8 +324,9 @@ def test_samples_invariants(case, builder, spark):
         else:
             sl = list(zip(begins, ends))
             assert all(y - x <= L for x, y in sl), where
-            ts = r["seq_ts"]
-            assert ts == sorted(ts), f"{where}: stored sequence not in time order"
+            # the stream's order: arrival order with an arrival column, else action time
+            ts = r["seq_arrival"] if "seq_arrival" in r else r["seq_ts"]
+            assert ts == sorted(ts), f"{where}: stored sequence not in arrival order"
         if sl:
             assert min(x for x, _ in sl) == 0 and max(y for _, y in sl) == n_seq, \
                 f"{where}: stored sequence is not exactly the visible slices"
@@ -344,7 +348,8 @@ def test_samples_invariants(case, builder, spark):
         assert snaps[1] == log.planted["overrides"] and snaps[2] == log.planted["null_snapshots"], snaps
 
 
-@pytest.mark.parametrize("case", [("fat", "daily"), ("lag", "daily")], ids=["fat-daily", "lag-daily"])
+@pytest.mark.parametrize("case", [("fat", "daily"), ("lag", "daily"), ("arrival", "daily")],
+                         ids=["fat-daily", "lag-daily", "arrival-daily"])
 def test_range_build_sets_equal_the_daily_jobs_one_set_at_a_time(case, builder, spark, tmp_path):
     """A range build writes the pretrain samples and every window's from one Spark plan and
     one commit (a fat set's stream is its own snapshots; a lean one with an availability lag
@@ -402,7 +407,7 @@ def _chain_fields(out) -> list[str]:
     return [schemas.SEQ + sf.name for sf in schemas.chain_fields(build_record.load(str(out))[1])]
 
 
-CHAIN_CASES = [("actions", "both"), ("fat", "daily"), ("lag", "daily")]
+CHAIN_CASES = [("actions", "both"), ("fat", "daily"), ("lag", "daily"), ("arrival", "daily")]
 
 
 @pytest.mark.parametrize("case", CHAIN_CASES, ids=[f"{v}-{w}" for v, w in CHAIN_CASES])
@@ -413,7 +418,7 @@ def test_every_sample_carries_the_chain_of_its_stored_events(case, builder, spar
     b = builder(*case)
     s = read_delta(spark, b.out / "samples")
     fields, block = _chain_fields(b.out), b.log.config["chain_block"]
-    assert fields[0] == "seq_item" and "seq_ts" not in fields and "seq_time" not in fields
+    assert fields[0] == "seq_item" and not {"seq_ts", "seq_time", "seq_arrival"} & set(fields)
     assert set(s["chain_block"]) == {block}
     checkpoints = 0
     for r in s.iter_rows(named=True):

@@ -25,6 +25,7 @@ Usage::
     fat = make_fat(tmp_path)            # fat-row variant with odd snapshots
     nan = make_lean(tmp_path, float_labels=True)   # `like` float64 with NaN / inf rows
     lag = make_lean(tmp_path, actions=True, lag=True)   # availability_lag LAG, a user of its edge cases
+    arr = make_lean(tmp_path, actions=True, arrival=True)   # arrival columns: late arrivals of every kind
 """
 
 from __future__ import annotations
@@ -56,7 +57,15 @@ REASON_COLUMNS = {
     R.REQUEST_INCONSISTENT: None,
     R.BAD_LABEL: "like",
     R.SNAPSHOT_MISMATCH: None,
+    R.ARRIVAL_BEFORE_ACTION: "arrival_ts",
+    R.ARRIVAL_BEFORE_REQUEST: "arrival_ts",
 }
+ARRIVAL_COLUMN = "arrival_ts"  # make_lean(arrival=True): the impressions' arrival column ...
+ACTION_ARRIVAL_COLUMN = "arr"  # ... and the action log's
+ARRIVAL_USER = 320
+# make_lean(arrival=True): every other action arrives this late (by row), so that late events are
+# everywhere: at once, 1 ms, seconds, hours (across UTC days, windows and the pretrain boundary)
+ARRIVAL_DELAYS = (0, 1, 3000, 2 * 3_600_000, 26 * 3_600_000)
 
 UTC = dt.timezone.utc
 DAY = 86_400_000
@@ -140,6 +149,8 @@ class EdgeLog:
     heavy_user: int = HEAVY_USER
     fat: bool = False
     lag: int = 0  # the config's availability_lag, in its time unit
+    columns: dict[int, str] = field(default_factory=dict)  # row_uid -> the column its reason names, where not
+    # REASON_COLUMNS' (a bad_time of the arrival column)
 
     @property
     def dropped_uids(self) -> set[int]:
@@ -159,9 +170,10 @@ class _Log:
         self.next_uid = 1
         self.actions: list[dict] = []
         self.bad_actions: list[tuple[dict, str]] = []
+        self.columns: dict[int, str] = {}
 
     def imp(self, user, rid, rts, item, pos, click=0, like=0, dwell=1500, *, ats=None, device="ios",
-            hour=None, age=3, country="DE", score=0.5, date=None, reason=None):
+            hour=None, age=3, country="DE", score=0.5, date=None, reason=None, arrival=...):
         row = {
             "user_id": user, "request_id": rid, "request_ts": rts,
             "action_ts": ats if ats is not None else (rts + dwell if rts is not None else None),
@@ -174,6 +186,8 @@ class _Log:
             "row_uid": self.next_uid,
             "date": date or (date_of(rts) if rts is not None else day(2)),
         }
+        if arrival is not ...:  # an explicit arrival (None included); else make_lean(arrival=True) draws one
+            row[ARRIVAL_COLUMN] = arrival
         self.next_uid += 1
         self.rows.append(row)
         if reason:
@@ -189,11 +203,13 @@ class _Log:
         self.rows.append(r)
         self.bad.append((r["row_uid"], reason))
 
-    def act(self, uid, iid, ts, bits, cat=None, auth=None, reason=None):
+    def act(self, uid, iid, ts, bits, cat=None, auth=None, reason=None, arrival=...):
         row = {"uid": uid, "iid": iid, "ts": ts, "bits": bits,
                "cat": cat if cat is not None else (cat_of(iid) if iid is not None else 0),
                "auth": auth if auth is not None else (auth_of(iid) if iid is not None else 1000),
                "date": date_of(ts) if ts is not None else day(2)}
+        if arrival is not ...:
+            row[ACTION_ARRIVAL_COLUMN] = arrival
         self.actions.append(row)
         if reason:
             self.bad_actions.append((row, reason))
@@ -315,6 +331,64 @@ def _lag_user(g: _Log, D: int) -> None:
     g.request(u, "lag-13", ms(day(5), 12) + 1, [(615, 0, 0, 0)])
 
 
+def _arrival_user(g: _Log, D: int) -> None:
+    """Late arrivals of every kind (user ARRIVAL_USER, items 700..; the config's lag is D ms,
+    the default arrival_skew 5 minutes): each request's comment says what it sees of them."""
+    u = ARRIVAL_USER
+    t = ms(day(2), 10)
+    # seconds late: acted at t+1s, arrived at t+4s
+    g.request(u, "ar-00", t, [(700, 1, 0, SEC)], arrival=t + 4 * SEC)
+    g.request(u, "ar-01", t + 2 * SEC, [(720, 0, 0, 0)], arrival=None)  # acted before, not arrived: sees nothing
+    g.request(u, "ar-02", t + 4 * SEC, [(721, 0, 0, 0)], arrival=None)  # arrived at exactly its time: not visible
+    g.request(u, "ar-03", t + 4 * SEC + 1, [(722, 0, 0, 0)], arrival=None)  # sees 700
+    # two events arriving at one time: ordered by action time (702 acted after 701)
+    g.request(u, "ar-04", t + 10 * SEC, [(701, 1, 0, SEC)], arrival=t + 20 * SEC)
+    g.request(u, "ar-05", t + 12 * SEC, [(702, 0, 1, 0)], arrival=t + 20 * SEC)
+    g.request(u, "ar-06", t + 20 * SEC + 1, [(723, 0, 0, 0)], arrival=None)  # sees 700, 701, 702
+    # arriving after a later action: 703 acted first, arrives an hour later; 704 arrives at once
+    g.request(u, "ar-07", t + 30 * SEC, [(703, 1, 0, SEC)], arrival=t + 3_600_000)
+    g.request(u, "ar-08", t + 40 * SEC, [(704, 1, 0, SEC)], arrival=t + 42 * SEC)
+    g.request(u, "ar-09", t + 50 * SEC, [(724, 0, 0, 0)], arrival=None)  # sees 704, not 703
+    g.request(u, "ar-10", t + 3_600_000 + 1, [(725, 0, 0, 0)], arrival=None)  # ... 704, then 703
+    # hours late across the pretrain boundary (03-03 with M=3, N=1): acted 03-02 23:00:01, arrived 03-03 00:30
+    g.request(u, "ar-11", ms(day(2), 23), [(705, 1, 0, SEC)], arrival=ms(day(3), 0, 30))
+    g.request(u, "ar-12", ms(day(3), 0, 10), [(726, 0, 0, 0)], arrival=None)  # a window's first: not yet
+    g.request(u, "ar-13", ms(day(3), 0, 31), [(727, 0, 0, 0)], arrival=None)  # sees 705
+    # hours late across a window boundary: acted 03-03 22:00:05, arrived 03-04 03:00
+    g.request(u, "ar-14", ms(day(3), 22), [(706, 1, 0, 5 * SEC)], arrival=ms(day(4), 3))
+    g.request(u, "ar-15", ms(day(3), 23), [(728, 0, 0, 0)], arrival=None)  # not yet
+    g.request(u, "ar-16", ms(day(4), 1), [(729, 0, 0, 0)], arrival=None)  # the next window's base lacks it
+    g.request(u, "ar-17", ms(day(4), 3), [(730, 0, 0, 0)], arrival=None)  # the tie
+    g.request(u, "ar-18", ms(day(4), 3) + 1, [(731, 0, 0, 0)], arrival=None)  # sees 706
+    # arriving after as-of: in no sample
+    g.request(u, "ar-19", ms(day(5), 20), [(707, 1, 0, SEC)], arrival=AS_OF_MS + 3_600_000)
+    g.act(u, 740, ms(day(5), 21), 1, arrival=AS_OF_MS + 2 * 3_600_000)
+    g.request(u, "ar-20", ms(day(5), 23), [(732, 0, 0, 0)], arrival=None)  # sees neither
+    # arriving before its action time (within arrival_skew): an action-log event acted at 10:00:00
+    # that arrived at 09:59:30, and an impression's click at 11:01 that arrived at 11:00:30
+    g.act(u, 741, ms(day(5), 10), 2, arrival=ms(day(5), 9, 59, 30))
+    g.request(u, "ar-21", ms(day(5), 9, 59, 30), [(733, 0, 0, 0)], arrival=None)  # the tie: not visible
+    g.request(u, "ar-22", ms(day(5), 9, 59, 45), [(734, 0, 0, 0)], arrival=None)  # sees 741 (acted after it!)
+    g.request(u, "ar-23", ms(day(5), 11), [(708, 1, 0, 60 * SEC)], arrival=ms(day(5), 11, 0, 30))
+    g.request(u, "ar-24", ms(day(5), 11, 0, 45), [(735, 0, 0, 0)], arrival=None)  # sees 708
+    # a null arrival (null_arrival: lag): arrives at its action time + D
+    g.request(u, "ar-25", ms(day(5), 12), [(709, 1, 0, SEC)], arrival=None)
+    g.act(u, 742, ms(day(5), 12, 0, 2), 1, arrival=None)
+    g.request(u, "ar-26", ms(day(5), 12, 0, 1) + D, [(736, 0, 0, 0)], arrival=None)  # 709's tie
+    g.request(u, "ar-27", ms(day(5), 12, 0, 2) + D, [(737, 0, 0, 0)], arrival=None)  # 709, 742's tie
+    g.request(u, "ar-28", ms(day(5), 12, 0, 2) + D + 1, [(738, 0, 0, 0)], arrival=None)  # 709, 742
+    # bad arrivals (items 750..: in no sequence)
+    b = ms(day(4), 15)
+    g.imp(u, "ar-b0", b, 750, 0, 1, 0, 10 * 60 * SEC, arrival=b + 60 * SEC, reason=R.ARRIVAL_BEFORE_ACTION)
+    bt = g.imp(u, "ar-b0", b, 751, 1, 1, 0, SEC, arrival=ms(dt.date(1999, 6, 1)), reason=R.BAD_TIME)
+    g.columns[bt["row_uid"]] = ARRIVAL_COLUMN
+    g.imp(u, "ar-b0", b, 752, 2, 1, 0, SEC, arrival=b - 1, reason=R.ARRIVAL_BEFORE_REQUEST)
+    g.imp(u, "ar-b0", b, 753, 3, 0, 0, 0, arrival=ms(dt.date(1999, 6, 1)))  # no action: its arrival means nothing
+    g.request(u, "ar-b1", b + 3_600_000, [(739, 0, 0, 0)], arrival=None)  # sees none of 750..752
+    g.act(u, 754, b + 10 * 60 * SEC, 1, arrival=b, reason=R.ARRIVAL_BEFORE_ACTION)
+    g.act(u, 755, b, 1, arrival=ms(dt.date(2200, 1, 1)), reason=R.BAD_TIME)
+
+
 def _bad_rows(g: _Log) -> None:
     # items 510.. are used by no other user: a leaked bad row shows up in a sequence
     t = ms(day(2), 14)
@@ -384,7 +458,7 @@ def _float_label_rows(g: _Log) -> None:
     g.request(409, "g409-3", t + 3_600_000, [(559, 0, 1.0, 0)])
 
 
-def _generate(float_labels: bool = False, seed: int = 7, lag: int = 0) -> _Log:
+def _generate(float_labels: bool = False, seed: int = 7, lag: int = 0, arrival: bool = False) -> _Log:
     g = _Log()
     rng = random.Random(seed)
     _normal_users(g, rng)
@@ -393,6 +467,8 @@ def _generate(float_labels: bool = False, seed: int = 7, lag: int = 0) -> _Log:
     _late_user(g)
     if lag:
         _lag_user(g, lag)
+    if arrival:
+        _arrival_user(g, lag)
     _fat_users(g)
     _bad_rows(g)
     _bad_actions(g)
@@ -436,24 +512,73 @@ def _truth(g: _Log):
     return bad, expected, after
 
 
-def make_lean(root, *, actions: bool = False, float_labels: bool = False, lag: bool = False, **cfg_over) -> EdgeLog:
+def _with_arrivals(g: _Log) -> tuple[list[dict], list[dict]]:
+    """The rows with arrival columns: the explicit ones kept; every other action arrives
+    ARRIVAL_DELAYS[k % 5] after its action time (k: its row), a row without an action has none.
+    The action log is filed by arrival day (``date``)."""
+    rows, by_uid = [], {}  # exact copies share their row_uid, and so their arrival
+    for k, r in enumerate(g.rows):
+        r = dict(r)
+        if ARRIVAL_COLUMN not in r:
+            acted = (r["click"] or 0) > 0 or (r["like"] or 0) > 0
+            by_uid.setdefault(r["row_uid"], r["action_ts"] + ARRIVAL_DELAYS[k % 5]
+                              if acted and r["action_ts"] is not None else None)
+            r[ARRIVAL_COLUMN] = by_uid[r["row_uid"]]
+        rows.append(r)
+    acts, new = [], {}
+    for k, a in enumerate(g.actions):
+        b = dict(a)
+        if ACTION_ARRIVAL_COLUMN not in b:
+            b[ACTION_ARRIVAL_COLUMN] = b["ts"] + ARRIVAL_DELAYS[k % 5] if b["ts"] is not None else None
+        if b[ACTION_ARRIVAL_COLUMN] is not None and 1999 < date_of(b[ACTION_ARRIVAL_COLUMN]).year < 2200:
+            b["date"] = date_of(b[ACTION_ARRIVAL_COLUMN])
+        acts.append(b)
+        new[id(a)] = b
+    g.bad_actions = [(new[id(a)], reason) for a, reason in g.bad_actions]
+    return rows, acts
+
+
+def arrival_config(actions: bool = False, **over) -> dict:
+    """The edge config with arrival columns (``columns.arrival_time``, ``columns.actions.arrival``)
+    and the availability lag LAG (for the actions without an arrival)."""
+    cfg = lean_config(actions, **{"availability_lag": LAG, **over})
+    cfg["columns"] = dict(cfg["columns"], arrival_time=ARRIVAL_COLUMN)
+    if actions:
+        cfg["columns"]["actions"] = dict(cfg["columns"]["actions"], arrival=ACTION_ARRIVAL_COLUMN)
+    return cfg
+
+
+def make_lean(root, *, actions: bool = False, float_labels: bool = False, lag: bool = False, arrival: bool = False,
+              **cfg_over) -> EdgeLog:
     """The lean log (with its action log); ``lag``: with the availability lag LAG in the
-    config and a user whose rows hold its edge cases (``_lag_user``)."""
+    config and a user whose rows hold its edge cases (``_lag_user``); ``arrival``: with arrival
+    columns (:func:`arrival_config`, lag LAG), a user of late arrivals of every kind
+    (``_arrival_user``) and every other action arriving late (:data:`ARRIVAL_DELAYS`)."""
     root = Path(root)
-    if lag:
+    if lag or arrival:
         cfg_over = {"availability_lag": LAG, **cfg_over}
-    g = _generate(float_labels, lag=LAG_MS if lag else 0)
+    g = _generate(float_labels, lag=LAG_MS if (lag or arrival) else 0, arrival=arrival)
     rows = [dict(r) for r in g.rows]
+    acts = g.actions
+    if arrival:
+        rows, acts = _with_arrivals(g)  # the rejected action rows too, as written (with their arrival)
     if float_labels:
         for r in rows:
             r["like"] = float(r["like"])
-    imp = _write(rows, _imp_fields(float_labels, False), root / "lean")
-    act = _write(g.actions, ACT_FIELDS, root / "actions") if actions else None
+    imp_fields = _imp_fields(float_labels, False) + ([(ARRIVAL_COLUMN, pa.int64())] if arrival else [])
+    act_fields = ACT_FIELDS + ([(ACTION_ARRIVAL_COLUMN, pa.int64())] if arrival else [])
+    imp = _write(rows, imp_fields, root / "lean")
+    act = _write(acts, act_fields, root / "actions") if actions else None
     bad, expected, after = _truth(g)
+    config = arrival_config(actions, **cfg_over) if arrival else lean_config(actions, **cfg_over)
     return EdgeLog(
-        root=root, impressions=imp, actions=act, config=lean_config(actions, **cfg_over), as_of=AS_OF,
+        root=root, impressions=imp, actions=act, config=config, as_of=AS_OF,
         rejected=bad, quarantined=list(g.bad), expected_uids=expected, after_as_of_uids=after,
-        rows_read=len(rows), rejected_actions=list(g.bad_actions) if actions else [], lag=LAG_MS if lag else 0,
+        rows_read=len(rows), rejected_actions=list(g.bad_actions) if actions else [],
+        lag=LAG_MS if (lag or arrival) else 0,
+        # the actions whose null arrival is taken as action time + lag (null_arrival: lag): ar-25's, 742
+        planted=({"arrivals_filled": 1} | ({"actions_arrivals_filled": 1} if actions else {})) if arrival else {},
+        columns=g.columns,
     )
 
 

@@ -5,19 +5,22 @@ It restates the pointer rule (docs/pointer.md) as directly as possible, on tiny 
 - the accepted impressions = the input minus the rejected rows (ground truth given by the
   caller, by ``row_uid``), exact duplicate rows reduced to one copy;
 - the built ones = accepted with request time < as-of (00:00 UTC of that day);
+- every event has an arrival time: its arrival column's value (``columns.arrival_time`` for
+  the impressions' actions, ``columns.actions.arrival`` for the action log) where the config
+  maps one and the value is not null, else its action time + the availability lag D (D = 0
+  unless the config sets ``availability_lag``);
 - a user's stream = actions of built impressions (any action label > 0, at the action time,
   the request time when no action-time column is mapped; bit i set when action label i > 0)
-  plus accepted action-log events (no request fields), in the total order
+  plus accepted action-log events (no request fields), in arrival order, then the total order
   (action_time, request_time, request_id, position, item, action bits, item features...)
   ascending, nulls first;
-- an impression sees the last L events of its user's stream with action time strictly
-  before its request time less the availability lag D (``action_time + D < request_time``;
-  D = 0 unless the config sets ``availability_lag``), oldest first; no history is an empty
-  list.
+- an impression sees the last L events of its user's stream that arrived strictly before
+  its request time (``arrival < request_time``; without an arrival column that is
+  ``action_time + D < request_time``), oldest first; no history is an empty list.
 
 Expanded lean rows = every input column unchanged (names, order, values) + ``seq_ts``,
-``seq_item``, ``seq_<item feature column>``..., ``seq_action``. Fat rows come back exactly
-as given (their snapshots included).
+``seq_item``, ``seq_<item feature column>``..., ``seq_action``, and ``seq_arrival`` when the
+config maps an arrival column. Fat rows come back exactly as given (their snapshots included).
 """
 
 from __future__ import annotations
@@ -143,31 +146,46 @@ def _cfg(config: dict) -> dict:
         "atime": cols.get("action_time") or cols["request_time"], "item": cols["item"],
         "position": cols.get("position"), "labels": labels, "features": list(cols.get("item_features") or []),
         "unit": config.get("time_unit", "ms"), "L": int(config.get("max_seq_len", 1000)),
-        "actions": cols.get("actions"),
+        "actions": cols.get("actions"), "arrival": cols.get("arrival_time"),
+        "arrivals": bool(cols.get("arrival_time") or (cols.get("actions") or {}).get("arrival")),
     }
+
+
+def _arrival(df: pl.DataFrame, col: str | None, c: dict, D: int) -> pl.Expr:
+    """An event's arrival: the column's value, else (no column, or null) action time + D."""
+    fallback = pl.col("at") + D
+    if col is None:
+        return fallback
+    return pl.coalesce(_time_expr(df, col, c["unit"]), fallback)
 
 
 EV_COLS = ["user", "at", "rt", "rid", "pos", "item", "bits"]
 
 
-def impression_events(built: pl.DataFrame, c: dict) -> pl.DataFrame:
+def impression_events(built: pl.DataFrame, c: dict, D: int = 0) -> pl.DataFrame:
     feats = [pl.col(f).alias(f"f{i}") for i, f in enumerate(c["features"])]
     rid = pl.col(c["request"]) if c["request"] else pl.lit(None, dtype=pl.Int64)
     pos = pl.col(c["position"]).cast(pl.Int64) if c["position"] else pl.lit(None, dtype=pl.Int64)
+    arv = [_time_expr(built, c["arrival"], c["unit"]).alias("_arv")] if c["arrival"] else []
     return (
         built.select(
             pl.col(c["user"]).alias("user"),
+            *arv,
             _time_expr(built, c["atime"], c["unit"]).alias("at"),
             _time_expr(built, c["rtime"], c["unit"]).alias("rt"),
             rid.alias("rid"), pos.alias("pos"), pl.col(c["item"]).alias("item"),
             _label_bits(built, c["labels"]).alias("bits"), *feats,
         )
         .filter(pl.col("bits") > 0)
+        .with_columns(pl.coalesce(pl.col("_arv"), pl.col("at") + D).alias("arr") if c["arrival"]
+                      else (pl.col("at") + D).alias("arr"))
+        .drop("_arv", strict=False)
     )
 
 
-def log_events(actions: pl.DataFrame, c: dict, like: pl.DataFrame) -> pl.DataFrame:
+def log_events(actions: pl.DataFrame, c: dict, like: pl.DataFrame, D: int = 0) -> pl.DataFrame:
     a = c["actions"]
+    arv = a.get("arrival")
     labels = a["labels"]
     bits = pl.col(labels).cast(pl.Int64) if isinstance(labels, str) else _label_bits(actions, list(labels))
     feats = [pl.col(src).cast(like.schema[f"f{i}"]).alias(f"f{i}") for i, src in enumerate(a.get("item_features") or [])]
@@ -179,14 +197,17 @@ def log_events(actions: pl.DataFrame, c: dict, like: pl.DataFrame) -> pl.DataFra
         pl.lit(None, dtype=pl.Int64).alias("pos"),
         pl.col(a["item"]).cast(like.schema["item"]).alias("item"),
         bits.alias("bits"), *feats,
-    )
+        (_time_expr(actions, arv, c["unit"]) if arv else pl.lit(None, dtype=pl.Int64)).alias("_arv"),
+    ).with_columns(pl.coalesce(pl.col("_arv"), pl.col("at") + D).alias("arr")).drop("_arv")
 
 
-def stream(built: pl.DataFrame, c: dict, actions: pl.DataFrame | None = None) -> pl.DataFrame:
-    ev = impression_events(built, c)
+def stream(built: pl.DataFrame, c: dict, actions: pl.DataFrame | None = None, D: int = 0) -> pl.DataFrame:
+    """A user's events in the stream's order: arrival, then the total order (without an arrival
+    column, arrival = action time + D keeps the action-time order)."""
+    ev = impression_events(built, c, D)
     if actions is not None:
-        ev = pl.concat([ev, log_events(actions, c, ev)], how="vertical")
-    keys = ["user", "at", "rt", "rid", "pos", "item", "bits"] + [f"f{i}" for i in range(len(c["features"]))]
+        ev = pl.concat([ev, log_events(actions, c, ev, D)], how="vertical")
+    keys = ["user", "arr", "at", "rt", "rid", "pos", "item", "bits"] + [f"f{i}" for i in range(len(c["features"]))]
     return ev.sort(keys, nulls_last=False, maintain_order=True)
 
 
@@ -215,21 +236,22 @@ def expected_pointwise(input_paths, config_dict: dict, as_of: str, rejected_row_
         if not c["actions"]:
             raise ValueError("actions_path given but the config has no columns.actions")
         acts = _drop_rows(read_parquet_dir(actions_path), rejected_actions)
-    ev = stream(built, c, acts)
+    ev = stream(built, c, acts, D)
 
     by_user: dict = {}
     for rec in ev.iter_rows(named=True):
         by_user.setdefault(rec["user"], []).append(rec)
-    times = {u: [e["at"] for e in evs] for u, evs in by_user.items()}
+    arrivals = {u: [e["arr"] for e in evs] for u, evs in by_user.items()}
 
-    out = {"ts": [], "item": [], "action": []}
+    out = {"ts": [], "item": [], "action": [], "arrival": []}
     out.update({f: [] for f in c["features"]})
     rts = built.select(_time_expr(built, c["rtime"], c["unit"])).to_series().to_list()
     for user, rt in zip(built[c["user"]].to_list(), rts):
         evs = by_user.get(user, [])
-        end = bisect.bisect_left(times.get(user, []), rt - D)  # events strictly before rt - D
+        end = bisect.bisect_left(arrivals.get(user, []), rt)  # events that arrived strictly before rt
         seen = evs[max(0, end - L):end]
         out["ts"].append([e["at"] for e in seen])
+        out["arrival"].append([e["arr"] for e in seen])
         out["item"].append([e["item"] for e in seen])
         out["action"].append([e["bits"] for e in seen])
         for i, f in enumerate(c["features"]):
@@ -240,6 +262,8 @@ def expected_pointwise(input_paths, config_dict: dict, as_of: str, rejected_row_
            pl.Series("seq_item", out["item"], dtype=pl.List(item_t))]
     seq += [pl.Series(f"seq_{f}", out[f], dtype=pl.List(built.schema[f])) for f in c["features"]]
     seq.append(pl.Series("seq_action", out["action"], dtype=pl.List(pl.Int64)))
+    if c["arrivals"]:
+        seq.append(pl.Series("seq_arrival", out["arrival"], dtype=pl.List(pl.Int64)))
     return built.select(columns).with_columns(seq)
 
 
@@ -255,7 +279,8 @@ def seq_columns(config_dict: dict) -> list[str]:
     c = _cfg(config_dict)
     if config_dict["columns"].get("sequence"):
         return []
-    return ["seq_ts", "seq_item"] + [f"seq_{f}" for f in c["features"]] + ["seq_action"]
+    return ["seq_ts", "seq_item"] + [f"seq_{f}" for f in c["features"]] + ["seq_action"] \
+        + (["seq_arrival"] if c["arrivals"] else [])
 
 
 # --------------------------------------------------------------------------
