@@ -18,7 +18,7 @@ i8, i32, i64, f32, f64, s, d = pa.int8(), pa.int32(), pa.int64(), pa.float32(), 
 # --------------------------------------------------------------------------
 # Inputs written by `userwise synth` (users map their own logs by config).
 # --------------------------------------------------------------------------
-BUILD_TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine")
+BUILD_TABLES = ("requests", "events", "history", "history_log", "samples", "quarantine", "id_stats")
 """The Delta tables of a build folder, each in ``D/<name>``; their versions make its complete state."""
 
 
@@ -112,6 +112,30 @@ HISTORY_LOG = TableSchema(
         Field("written_at", pa.timestamp("us", tz="UTC"), False, "when the date was logged (UTC)"),
     ),
     doc="Per date, the history table's Delta version: the start of the next window.",
+)
+
+ID_STATS = TableSchema(
+    "id_stats",
+    (
+        Field("kind", s, False, "the sample set: pretrain or incremental (partition)"),
+        Field("window_start", d, False, "the set's first day"),
+        Field("window_end", d, False, "the day after the set (partition), as in samples"),
+        Field("role", s, False, "the id column's role: item, item_feature, context_feature or user_feature"),
+        Field("column", s, False, "the id column: the input's name (columns.item, or one of columns.id_features)"),
+        Field("id", s, False, "the id, as a string (an integer id in decimal)"),
+        Field("lookups", i64, False, "impressions of the set that carry the id: its lookups in a per-impression batch"),
+        Field("requests", i64, False, "requests of the set that carry the id: its lookups when request features "
+              "come once per request (VBE)"),
+        Field("first_date", d, False, "the first day any request in the requests table carried the id in this column"),
+        Field("first_seen", pa.bool_(), False, "no request before the set's first day carried the id: a new id "
+              "to admit"),
+        Field("rank", i64, False, "1 for the most looked-up id of (set, column), ties by id"),
+        Field("tier", s, False, "hot (rank within hot_budget: data-parallel), warm (within hot_budget + "
+              "warm_budget: sharded in GPU memory) or cold (CPU memory or SSD)"),
+    ),
+    partition_by=("kind", "window_end"),
+    doc="Per sample set, id column and id: how often the build's samples look it up, whether it is new, "
+    "and its hot/warm/cold tier (docs/embeddings.md). Partitioned by set, as the samples.",
 )
 
 MANIFEST_SHARD = TableSchema(

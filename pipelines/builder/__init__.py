@@ -10,6 +10,8 @@ Modules, in the order a build runs them:
 - ``fat_rows``: legacy logs whose impressions carry a snapshot: stitch, align, overrides.
 - ``history``: every window's stream and the history as of any date, derived from the
   events; the history table (newest H events per user) kept by a daily MERGE.
+- ``id_stats``: per sample set and id column, each id's lookups, whether it is new, and its
+  hot / warm / cold tier (the ``id_stats`` table and the report's ``ids``).
 - ``steps``: the chain's steps that the range build and the daily jobs share (ingest a
   range of days; the samples of many sets from one plan).
 - ``build``: ``userwise build``: every day before as-of in a fixed number of jobs.

@@ -3,7 +3,8 @@
 - :func:`ingest_range`: validate the input rows of a range of days and write the
   requests, events and quarantine of those days (one Spark job);
 - :func:`set_samples`: the samples of any number of sets (the pretrain set and
-  incremental windows) from one Spark plan, written in one commit;
+  incremental windows) from one Spark plan, written in one commit, and their id
+  statistics (:mod:`~userwise.pipelines.builder.id_stats`);
 - :func:`pretrain_samples`, :func:`window_samples`: one set each.
 
 The range build (:mod:`~userwise.pipelines.builder.build`) calls them once for all
@@ -23,7 +24,7 @@ from pyspark.sql import functions as F
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.builder import ingest
+from userwise.pipelines.builder import id_stats, ingest
 from userwise.pipelines.builder.history import SetPlan
 from userwise.pipelines.builder.inputs import read_spark
 from userwise.pipelines.builder.pointer import SET, lean_sets
@@ -269,6 +270,12 @@ def set_samples(spark, cfg: C.Config, layout: S.Layout, build_dir: str,
     with progress.step("samples") as st:
         out = _write_samples(spark, build_dir, layout, df, [(k, en) for k, _, en in sets])
         st.rows = sum(o["samples"] for o in out)
+    # the sets' id statistics, from the same requests (one plan, one commit; id_stats)
+    meta = [(k, _first_day(build_dir, en) if st is None else st, en) for k, st, en in sets]
+    with progress.step("id_stats", delta_io.commits(delta_io.table_path(build_dir, "id_stats"))):
+        ids = id_stats.write(spark, cfg, layout, build_dir, meta, [st is None for _, st, _ in sets])
+    for o, summary in zip(out, ids):
+        o["ids"] = summary
     return out
 
 

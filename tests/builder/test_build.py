@@ -173,7 +173,7 @@ def test_tables_explain_themselves(spark, ranged, dailies, log):
         _, layout, _ = build_record.load(out)
         schemas = {"requests": S.requests_schema(layout), "events": S.events_schema(layout),
                    "history": S.history_schema(layout), "samples": S.samples_schema(layout),
-                   "quarantine": S.QUARANTINE, "history_log": S.HISTORY_LOG}
+                   "quarantine": S.QUARANTINE, "history_log": S.HISTORY_LOG, "id_stats": S.ID_STATS}
         assert set(schemas) == set(S.BUILD_TABLES)
         for name, schema in schemas.items():
             t = DeltaTable(delta_io.table_path(out, name))

@@ -186,7 +186,7 @@ def test_an_input_whose_schema_changed_since_the_build_is_refused(tmp_path):
 def published_tables():
     """Every Delta table a build or a daily job writes, for the lean and the fat layout."""
     lean, fat = layouts()
-    out = [S.QUARANTINE, S.HISTORY_LOG]
+    out = [S.QUARANTINE, S.HISTORY_LOG, S.ID_STATS]
     for lay in (lean, fat):
         out += [S.requests_schema(lay), S.events_schema(lay), S.history_schema(lay), S.samples_schema(lay)]
     return out
