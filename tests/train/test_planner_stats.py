@@ -130,3 +130,19 @@ def test_torchrec_planner_sizes_uvm_caches_from_the_stats():
         clf[name] = ps.cache_params.load_factor
         assert clf[name] != 0.1
     assert clf["t_skewed"] < clf["t_flat"], clf
+
+
+def test_the_guides_planner_example_runs(capsys):
+    """docs/embeddings.md's runnable example, as written: the planner caches the table in UVM
+    with the stats it was given."""
+    import pathlib
+    import re
+
+    pytest.importorskip("torchrec")
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "embeddings.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "EmbeddingShardingPlanner" in b]
+    scope: dict = {}
+    exec(compile(code, "docs/embeddings.md", "exec"), scope)
+    assert scope["plan"].compute_kernel == "fused_uvm_caching"
+    assert scope["plan"].cache_params.stats.expected_lookups == scope["st"].expected_lookups
+    assert "fused_uvm_caching" in capsys.readouterr().out
