@@ -30,7 +30,7 @@ The run prints (``-s``) its wall time by phase, the Python process's peak RSS, t
 settings, heap and peak RSS, and Spark's spill. Measured on the shared 2-core development machine
 (docs/operations.md#memory-of-a-long-user): 101 s in all (synth 1.5 s, Spark's start 8 s, build
 45 s, preshard 11 s, stage 0.2 s, load 2.5 s, serving the 34 requests with their full recomputes
-21 s); the driver JVM (``spark.driver.memory`` 4g: heap at most 3.6 GB) peaked at 1.4 GB of heap
+21 s; a quieter rerun: 62 s, build 28 s, preshard 5.5 s, memory the same); the driver JVM (``spark.driver.memory`` 4g: heap at most 3.6 GB) peaked at 1.4 GB of heap
 used and 2.3 GB resident, the largest stage's execution memory 256 MB, 140 stages, no spill, no
 failed task; the heavy user's 4 samples hold 17.6K-17.8K events each (71K for its 34 requests;
 requests x L would be 544K), the largest row of the table; the Python process peaked at 1.2 GB
