@@ -213,7 +213,7 @@ def test_the_length_section_runs_one_process_per_L(tmp_path):
     (x,) = sec["lengths"]
     assert x["L"] == 30 and x["m"] == 1 and x["impressions"] > 0
     assert x["fat_rows"] == x["impressions"]  # the point-wise job writes every impression once
-    for k in ("floor_s", "pointwise_s", "build_s", "pointwise_bytes", "build_bytes", "samples_bytes",
+    for k in ("floor_s", "pointwise_s", "build_s", "tables_s", "pointwise_bytes", "build_bytes", "samples_bytes",
               "fat_training_order_bytes", "distinct_events", "samples_events", "fat_events"):
         assert x[k] > 0, k
     assert x["ratio"] == round(x["build_s"] / x["pointwise_s"], 3)
