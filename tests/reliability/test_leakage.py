@@ -21,6 +21,18 @@ one-day windows after a pretrain set) and expanded in-process on the shared Spar
 (b) the expanded rows equal the independent oracle's (tests/support/oracle.py);
 (c) the counts reconcile against the ground truth (the report's ``reconciled`` and each term).
 
+Some logs come with arrival columns (docs/pointer.md, "What serving had"): each action arrives
+a drawn delay after its action time (0, 1 ms, half a day, a day and 1 ms; 1 ms or a minute
+before it, within ``arrival_skew``; null: at its action time + the lag; never before its own
+request, where it is moved to exactly that time), and then:
+
+(a) holds for the arrival: every history event arrived strictly before its request's time;
+(d) a perturbation of every event that arrived at or after a time T never changes what a
+    request at or before T sees: user 2 is copied whole as user 102 (requests ``p...``), the
+    copy's events that arrived at or after T (one of user 2's request times) get other items
+    and later arrivals, and one more event arrives at exactly T; each copied request at or
+    before T sees exactly what its original sees.
+
 The test command runs a few derandomized examples (a few seconds of Spark each);
 ``USERWISE_HYPOTHESIS_EXAMPLES=200`` runs more (CONTRIBUTING.md, "Tests").
 """
@@ -54,6 +66,64 @@ DWELLS = [0, 1, DAY // 2, DAY - 1, DAY, DAY + 1]
 ACTION_LOG_TOKEN = 0  # `auth` of action-log events; requests' tokens start at 1
 LAGS = {0: 0, 1: "1ms", DAY // 2: "12h"}  # availability lags (ms) and how the config writes them
 LONG_L = 4000
+ARRIVAL_DELAYS = [0, 1, DAY // 2, DAY + 1, -1, -60_000, None]  # after the action time (None: null, the lag)
+ARRIVAL, ACTION_ARRIVAL = E.ARRIVAL_COLUMN, E.ACTION_ARRIVAL_COLUMN
+CLONE = 100  # user 2's copy is user 102, its requests' tokens 1000 more
+
+
+def _acted(r: dict) -> bool:
+    return bool(r["click"] or r["like"])
+
+
+def with_arrivals(draw, rows: list[dict], acts: list[dict] | None, lag: int) -> int:
+    """Arrival columns on ``rows`` and ``acts`` (drawn delays, per row_uid so that copies stay
+    exact), and user 2's perturbed copy (see the module doc); returns T."""
+    for a in acts or []:
+        d = draw(st.sampled_from(ARRIVAL_DELAYS), label="action-log arrival delay")
+        a[ACTION_ARRIVAL] = None if d is None else a["ts"] + d
+    by_uid = {}
+    for r in rows:
+        if r["row_uid"] not in by_uid:
+            d = draw(st.sampled_from(ARRIVAL_DELAYS), label="arrival delay") if _acted(r) else None
+            by_uid[r["row_uid"]] = None if d is None else max(r["request_ts"], r["action_ts"] + d)
+        r[ARRIVAL] = by_uid[r["row_uid"]]
+
+    def arrived(arrival, at):  # a null arrives at its action time + the lag
+        return at + lag if arrival is None else arrival
+
+    # T: one of user 2's request times, or the arrival of one of her events that arrived after
+    # its action time; a request of hers (and of the copy) at exactly T is added
+    mine = [r for r in rows if r["user_id"] == 2]
+    late = {arrived(r[ARRIVAL], r["action_ts"]) for r in mine if _acted(r)} \
+        | {arrived(a[ACTION_ARRIVAL], a["ts"]) for a in acts or [] if a["uid"] == 2}
+    T = draw(st.sampled_from(sorted({r["request_ts"] for r in mine} | late)), label="T")
+    token = max(r["author"] for r in rows) + 1
+    rows.append(dict(mine[0], request_id=f"r{token}", request_ts=T, action_ts=T, item_id=1, position=0, click=0,
+                     like=0, category=1, author=token, hour=(T // 3_600_000) % 24,
+                     row_uid=max(r["row_uid"] for r in rows) + 1, **{ARRIVAL: None}))
+
+    uid = max(r["row_uid"] for r in rows)
+    seen = set()
+    for r in [r for r in rows if r["user_id"] == 2]:
+        if r["row_uid"] in seen:
+            continue
+        seen.add(r["row_uid"])
+        uid += 1
+        c = dict(r, user_id=2 + CLONE, request_id="p" + r["request_id"], author=r["author"] + 1000, row_uid=uid)
+        if _acted(r) and arrived(r[ARRIVAL], r["action_ts"]) >= T:
+            c["item_id"] = r["item_id"] + 10
+            c[ARRIVAL] = arrived(r[ARRIVAL], r["action_ts"]) + 1
+        rows.append(c)
+    for a in [a for a in acts or [] if a["uid"] == 2]:
+        c = dict(a, uid=2 + CLONE)
+        if arrived(a[ACTION_ARRIVAL], a["ts"]) >= T:
+            c["iid"] = a["iid"] + 10
+            c[ACTION_ARRIVAL] = arrived(a[ACTION_ARRIVAL], a["ts"]) + 1
+        acts.append(c)
+    if acts is not None:
+        acts.append({"uid": 2 + CLONE, "iid": 20, "ts": T, "bits": 1, "cat": 2, "auth": ACTION_LOG_TOKEN,
+                     ACTION_ARRIVAL: T})
+    return T
 
 
 def _ms(d: dt.date, t: int) -> int:
@@ -115,10 +185,15 @@ def lean_logs(draw, long: bool = False):
             item = 1 + k % 4
             acts.append({"uid": 2, "iid": item, "ts": _ms(first, k // 2), "bits": 1 + k % 3, "cat": item % 3,
                          "auth": ACTION_LOG_TOKEN})
-    return rows, (acts if with_actions else None), L, cap, M, [r["row_uid"] for r in copies], lag
+    acts = acts if with_actions else None
+    T = None
+    if not long and draw(st.integers(0, 3), label="arrival columns") > 0:
+        T = with_arrivals(draw, rows, acts, lag)
+    return rows, acts, L, cap, M, [r["row_uid"] for r in copies], lag, T
 
 
-def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: int = 0, L: int = 2) -> set[str]:
+def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: int = 0, L: int = 2,
+             T: int | None = None) -> set[str]:
     """The edge cases a drawn log holds (plain Python over the rows, for coverage)."""
     as_of = E.ms(AS_OF)
     acted = [r for r in rows if r["click"] or r["like"]]
@@ -143,6 +218,23 @@ def features(rows: list[dict], acts: list[dict] | None, copies: list[int], lag: 
         "no lag": lag == 0,
         "an action at a request's time less the lag": lag > 0 and bool(
             ({(r["user_id"], r["action_ts"]) for r in acted} | {(a["uid"], a["ts"]) for a in acts or []}) & seen_at),
+        "arrival columns": T is not None,
+        "an arrival hours late": T is not None and any(
+            r[ARRIVAL] is not None and r[ARRIVAL] - r["action_ts"] >= DAY // 2 for r in acted),
+        "an arrival before its action time": T is not None and any(
+            r[ARRIVAL] is not None and r[ARRIVAL] < r["action_ts"] for r in acted),
+        "an arrival at its own request's time": T is not None and any(
+            r[ARRIVAL] == r["request_ts"] and r[ARRIVAL] != r["action_ts"] for r in acted),
+        "a null arrival": T is not None and any(r[ARRIVAL] is None for r in acted),
+        # the tie of visibility, with or without an arrival column: an event that arrived (at its
+        # action time + the lag, or at its arrival) at exactly a request's time
+        "an event arriving at exactly a request's time": bool(
+            ({(r["user_id"], r["action_ts"] + lag if r.get(ARRIVAL) is None else r[ARRIVAL]) for r in acted}
+             | {(a["uid"], a["ts"] + lag if a.get(ACTION_ARRIVAL) is None else a[ACTION_ARRIVAL]) for a in acts or []})
+            & {(r["user_id"], r["request_ts"]) for r in rows}),
+        "an action before T that arrived at or after it": T is not None and any(
+            r["user_id"] == 2 and r["action_ts"] < T <= (r[ARRIVAL] if r[ARRIVAL] is not None else r["action_ts"] + lag)
+            for r in acted),
     }
     return {k for k, v in out.items() if v}
 
@@ -152,21 +244,29 @@ def _write(rows: list[dict], fields, path) -> str:
     schema = pa.schema([pa.field(n, t) for n, t in fields])
     t = pa.Table.from_pylist(rows, schema=schema)
     time_col = "request_ts" if "request_ts" in schema.names else "ts"
-    dates = [E.date_of(v).isoformat() for v in t.column(time_col).to_pylist()]
+    times = t.column(time_col).to_pylist()
+    if ACTION_ARRIVAL in schema.names:  # an action log with arrivals is filed by arrival day
+        times = [a if a is not None else v for a, v in zip(t.column(ACTION_ARRIVAL).to_pylist(), times)]
+    dates = [E.date_of(v).isoformat() for v in times]
     t = t.append_column("date", pa.array(dates, pa.string()))
     part = ds.partitioning(pa.schema([pa.field("date", pa.string())]), flavor="hive")
     ds.write_dataset(t, str(path), format="parquet", partitioning=part, basename_template="part-{i}.parquet")
     return str(path)
 
 
-def _edge_log(root, rows, acts, L, cap, copies, lag=0) -> E.EdgeLog:
-    imp_fields = E.IMP_FIELDS + [("row_uid", pa.int64())]
+def _edge_log(root, rows, acts, L, cap, copies, lag=0, arrivals=False) -> E.EdgeLog:
+    imp_fields = E.IMP_FIELDS + [("row_uid", pa.int64())] + ([(ARRIVAL, pa.int64())] if arrivals else [])
+    act_fields = E.ACT_FIELDS + ([(ACTION_ARRIVAL, pa.int64())] if arrivals else [])
     cfg = config(L, max_sample_cost=cap, actions=acts is not None, history_length=L, max_quarantine_share=1.0,
                  availability_lag=LAGS[lag])
+    if arrivals:
+        cfg["columns"]["arrival_time"] = ARRIVAL
+        if acts is not None:
+            cfg["columns"]["actions"] = dict(cfg["columns"]["actions"], arrival=ACTION_ARRIVAL)
     as_of_ms = E.ms(AS_OF)
     return E.EdgeLog(
         root=root, impressions=_write(rows, imp_fields, root / "impressions"),
-        actions=_write(acts, E.ACT_FIELDS, root / "actions") if acts is not None else None,
+        actions=_write(acts, act_fields, root / "actions") if acts is not None else None,
         config=cfg, as_of=AS_OF.isoformat(),
         rejected={u: R.DUPLICATE_ROW for u in copies}, quarantined=[(u, R.DUPLICATE_ROW) for u in copies],
         expected_uids={r["row_uid"] for r in rows if r["request_ts"] < as_of_ms},
@@ -176,13 +276,22 @@ def _edge_log(root, rows, acts, L, cap, copies, lag=0) -> E.EdgeLog:
 
 
 def check_no_leak(got, lag: int = 0) -> Counter:
-    """(a): from the expanded rows alone. Returns counts of what the histories held."""
+    """(a): from the expanded rows alone. Returns counts of what the histories held. With
+    ``seq_arrival`` (an arrival column), every event arrived strictly before the request time."""
     seen = Counter()
-    for r in got.select("request_ts", "author", "seq_ts", "seq_author", "seq_item").iter_rows(named=True):
+    arr = "seq_arrival" in got.columns
+    cols = ["request_ts", "author", "seq_ts", "seq_author", "seq_item"] + (["seq_arrival"] if arr else [])
+    for r in got.select(cols).iter_rows(named=True):
         where = f"impression of request token {r['author']} at {r['request_ts']}"
         assert len(r["seq_ts"]) == len(r["seq_author"]) == len(r["seq_item"]), where
-        late = [t for t in r["seq_ts"] if t >= r["request_ts"] - lag]
-        assert not late, f"{where} sees events at or after its request time less the lag {lag}: {late}"
+        if arr:
+            late = [t for t in r["seq_arrival"] if t >= r["request_ts"]]
+            assert not late, f"{where} sees events that arrived at or after its request time: {late}"
+            seen["arrived after their action time + the lag"] += sum(
+                a > t + lag for a, t in zip(r["seq_arrival"], r["seq_ts"]))
+        else:
+            late = [t for t in r["seq_ts"] if t >= r["request_ts"] - lag]
+            assert not late, f"{where} sees events at or after its request time less the lag {lag}: {late}"
         assert r["author"] not in r["seq_author"], f"{where} sees an action of its own request"
         seen["impressions"] += 1
         seen["with history"] += bool(r["seq_ts"])
@@ -212,12 +321,13 @@ def test_no_leak_and_build_expand_equals_oracle_at_long_L(drawn, spark, tmp_path
 
 
 def check_drawn(drawn, tmp_path_factory) -> None:
-    """(a), (b) and (c) on one drawn log, built and expanded on the shared Spark session."""
-    rows, acts, L, cap, M, copies, lag = drawn
-    for f in features(rows, acts, copies, lag, L):
+    """(a), (b) and (c) on one drawn log, built and expanded on the shared Spark session, and
+    (d) when it has arrival columns."""
+    rows, acts, L, cap, M, copies, lag, T = drawn
+    for f in features(rows, acts, copies, lag, L, T):
         event(f)
     root = tmp_path_factory.mktemp("leak")
-    log = _edge_log(root, rows, acts, L, cap, copies, lag)
+    log = _edge_log(root, rows, acts, L, cap, copies, lag, arrivals=T is not None)
     out = root / "out"
     rc, err = run_cli(build_argv(log, out, M, 1))
     assert rc == 0, f"build failed: {err}"
@@ -234,23 +344,48 @@ def check_drawn(drawn, tmp_path_factory) -> None:
     assert_same_rows(got, oracle_for(log), log)  # (b)
     assert report["reconciled"] is True and O.reconcile(report, log) == []  # (c)
     assert report["extra_chunks"] > 0, "user 2's impressions exceed max_sample_cost: it must be split"
+    if T is not None:
+        assert check_perturbation(got, T) > 0  # (d)
+
+
+SEEN = ["seq_ts", "seq_item", "seq_action", "seq_arrival"]
+
+
+def check_perturbation(got, T: int) -> int:
+    """(d): every copied request (user 102) at or before T sees what its original (user 2) sees;
+    returns how many impressions it compared."""
+    key = lambda r: (r["request_id"].removeprefix("p"), r["position"])  # noqa: E731
+    orig = {key(r): r for r in got.filter(got["user_id"] == 2).select("request_id", "position", *SEEN)
+            .iter_rows(named=True)}
+    n = 0
+    for r in got.filter((got["user_id"] == 2 + CLONE) & (got["request_ts"] <= T)).select(
+            "request_id", "position", "request_ts", *SEEN).iter_rows(named=True):
+        o = orig[key(r)]
+        assert [r[c] for c in SEEN] == [o[c] for c in SEEN], \
+            f"request {r['request_id']} at {r['request_ts']} <= T {T} sees a perturbed event: {r} != {o}"
+        n += 1
+    return n
 
 
 def test_the_drawn_logs_hold_every_edge_case():
-    """As many derandomized draws as the test command builds cover every edge case between them."""
+    """As many derandomized draws as the test command builds cover every edge case between them
+    (the tie of an action at a request's time less a lag is the roundtrip's ``lag`` log's; here
+    any event arriving at exactly a request's time, by the lag or by an arrival column)."""
     seen = Counter()
 
     @settings(max_examples=EXAMPLES, derandomize=True, database=None, phases=[Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(drawn=lean_logs())
     def tally(drawn):
-        rows, acts, _, _, _, copies, lag = drawn
-        seen.update(features(rows, acts, copies, lag))
+        rows, acts, _, _, _, copies, lag, T = drawn
+        seen.update(features(rows, acts, copies, lag, T=T))
 
     tally()
     want = {"duplicated rows", "action log", "a user with one request", "late actions", "actions after as-of",
             "action at its request time", "ties in time", "an action at another request's time",
-            "two actions in one request", "a history", "a lag", "no lag", "an action at a request's time less the lag"}
+            "two actions in one request", "a history", "a lag", "no lag", "an event arriving at exactly a request's time",
+            "arrival columns", "an arrival hours late", "an arrival before its action time",
+            "an arrival at its own request's time", "a null arrival", "an action before T that arrived at or after it"}
     assert want <= set(seen), f"never drawn: {want - set(seen)}"
 
 
