@@ -280,10 +280,8 @@ def test_route_ids_equals_the_sorting_route(impl, monkeypatch):
     where it is not."""
     from userwise.pipelines.loader.assembly import ids, kernels, segcopy
 
-    if impl == "numpy":
-        monkeypatch.setattr(segcopy, "batch_kernels", lambda: None)
-    else:
-        assert segcopy.batch_kernels() is kernels
+    # the compiled kernels even under USERWISE_NO_NUMBA=1 (numba is installed with the suite)
+    monkeypatch.setattr(segcopy, "batch_kernels", lambda: None if impl == "numpy" else kernels)
     sorts = []  # np.unique(..., return_inverse=True): the sorting path
     monkeypatch.setattr(np, "unique", lambda *a, f=np.unique, **k: sorts.append(k.get("return_inverse")) or f(*a, **k))
     for name, v, ln, n, W, hot in _cases():
@@ -301,7 +299,7 @@ def test_route_ids_equals_the_sorting_route(impl, monkeypatch):
 def test_route_ids_compiled_equals_numpy_and_the_sort_fallback(monkeypatch):
     """The compiled route, the numpy route and both with the bitset turned off (every span
     sorted) give equal arrays of equal dtypes on a batch-sized Zipf key."""
-    from userwise.pipelines.loader.assembly import ids, segcopy
+    from userwise.pipelines.loader.assembly import ids, kernels, segcopy
 
     rng = np.random.default_rng(4)
     ln = rng.integers(0, 600, 200)
@@ -311,8 +309,7 @@ def test_route_ids_compiled_equals_numpy_and_the_sort_fallback(monkeypatch):
     for impl in ("numba", "numpy"):
         for bound in ("bitset", "sorted"):
             with monkeypatch.context() as m:
-                if impl == "numpy":
-                    m.setattr(segcopy, "batch_kernels", lambda: None)
+                m.setattr(segcopy, "batch_kernels", lambda impl=impl: None if impl == "numpy" else kernels)
                 if bound == "sorted":
                     m.setattr(ids, "DENSE_BITS", 0)
                     m.setattr(ids, "NUMPY_DENSE", 0)
@@ -325,14 +322,17 @@ def test_route_ids_compiled_equals_numpy_and_the_sort_fallback(monkeypatch):
             assert a.dtype == b.dtype and np.array_equal(a, b), (key, f)
 
 
-def test_route_ids_without_numba_in_a_fresh_process(tmp_path):
+def test_route_ids_without_numba_in_a_fresh_process(tmp_path, monkeypatch):
     """USERWISE_NO_NUMBA=1: route_ids runs in numpy (the loader's choice, logged) and gives the
     compiled route's arrays."""
     import os
     import subprocess
     import sys
 
+    from userwise.pipelines.loader.assembly import kernels, segcopy
     from userwise.pipelines.loader.assembly.ids import route_ids
+
+    monkeypatch.setattr(segcopy, "batch_kernels", lambda: kernels)  # here: compiled, whatever the environment
 
     rng = np.random.default_rng(9)
     ln = rng.integers(0, 50, 100)
