@@ -4,7 +4,9 @@ Every impression of every sample becomes one row with exactly the input's
 columns (names, order, types: timestamp units and zones, unsigned integers and
 nanoseconds included) plus the history it sees:
 - lean: ``seq_ts``, ``seq_item``, ``seq_<feature>`` per item feature (``seq__<feature>``
-  for a feature named like one of ours: ``len``, ``ts``, ``action``...), ``seq_action``;
+  for a feature named like one of ours: ``len``, ``ts``, ``action``...), ``seq_action``,
+  and ``seq_arrival`` with an arrival column (each impression's history is then the events
+  that arrived before its request, in arrival order: the same pointers);
 - fat: the configured snapshot columns, reproduced as given (null stays
   null, empty stays empty, overrides come back whole).
 
