@@ -16,9 +16,9 @@ The id columns are the item and the features ``columns.id_features`` lists
   hot, the next ``warm_budget`` warm, the rest cold (:attr:`Config.budget_ids`).
 
 One Spark plan over the requests table (before the sets' last end): per request and id
-column, its distinct ids with their counts (array functions, one explode), summed per (id
-column, id, day), which both the per-set sums and the first days read (one exchange, reused);
-a window ranks the ids. A set is the same code alone or among many, so the daily jobs and a
+column, its distinct ids with their counts (array functions, one explode), aggregated once per
+(id column, id) into its first day and every set's sums (one exchange), then a window ranks
+each set's ids (a second); the report's summary aggregates the rows kept from the write. A set is the same code alone or among many, so the daily jobs and a
 range build write the same rows (tested by ``tests/builder/test_id_stats.py``).
 """
 
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import datetime as dt
 
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from userwise import schemas as S
 from userwise.pipelines import config as C
-from userwise.pipelines.builder.history import SetPlan
 from userwise.pipelines.builder.pointer import SET, by_set
 from userwise.pipelines.runtime import delta_io
 from userwise.schemas import IMP, REQ, Layout
@@ -85,16 +85,22 @@ def stats_frame(spark, cfg: C.Config, layout: Layout, build_dir: str,
     set keys) as one Spark plan, not yet written. ``open_start``: per set, whether it holds
     every request before its end (the pretrain set), else those of [window_start, window_end)."""
     open_start = open_start or [False] * len(sets)
-    plan = SetPlan(cfg, [(None if o else st, en) for (_, st, en), o in zip(sets, open_start)])
-    reqs = delta_io.read(spark, delta_io.table_path(build_dir, "requests")).where(F.col("date") < F.lit(plan.dend))
+    dend = max(en for _, _, en in sets)
+    reqs = delta_io.read(spark, delta_io.table_path(build_dir, "requests")).where(F.col("date") < F.lit(dend))
     occ = reqs.select("date", F.explode(_per_request(cfg, layout)).alias("_o"))
-    # per (column, id, day): one exchange that both the sets' sums and the first days read
-    daily = occ.groupBy(F.col("_o.c").alias("c"), F.col("_o.id").alias("id"), "date").agg(
-        F.sum("_o.n").alias("lookups"), F.count(F.lit(1)).alias("requests"))
-    first = daily.groupBy("c", "id").agg(F.min("date").alias("first_date"))
-    per_set = daily.select("*", F.explode(plan.sets_of(plan.segment_of_date(F.col("date")))).alias(SET)) \
-        .groupBy(SET, "c", "id").agg(F.sum("lookups").alias("lookups"), F.sum("requests").alias("requests"))
-    x = per_set.join(first, on=["c", "id"], how="inner")
+    occ = occ.select("date", F.col("_o.c").alias("c"), F.col("_o.id").alias("id"), F.col("_o.n").alias("n"))
+    # one aggregation per (column, id): its first day and, per set, its lookups and requests
+    aggs = [F.min("date").alias("first_date")]
+    for j, ((_, st, en), whole) in enumerate(zip(sets, open_start)):
+        inside = F.col("date") < F.lit(en)
+        if not whole:
+            inside = inside & (F.col("date") >= F.lit(st))
+        aggs += [F.sum(F.when(inside, F.col("n"))).alias(f"_l{j}"), F.count(F.when(inside, F.lit(1))).alias(f"_r{j}")]
+    g = occ.groupBy("c", "id").agg(*aggs)
+    per_set = F.filter(F.array(*[F.struct(F.lit(j).alias(SET), F.col(f"_l{j}").alias("lookups"),
+                                          F.col(f"_r{j}").alias("requests")) for j in range(len(sets))]),
+                       lambda x: x["requests"] > 0)
+    x = g.select("c", "id", "first_date", F.explode(per_set).alias("_s")).select("c", "id", "first_date", "_s.*")
     hot, warm = cfg.budget_ids
     rank = F.row_number().over(Window.partitionBy(SET, "c").orderBy(F.col("lookups").desc(), F.col("id").asc()))
     x = x.withColumn("rank", rank.cast("long"))
@@ -107,35 +113,37 @@ def stats_frame(spark, cfg: C.Config, layout: Layout, build_dir: str,
     end = lit(by_set([en for _, _, en in sets])).cast("date")
     tier = F.when(F.col("rank") <= hot, F.lit("hot")).when(F.col("rank") <= hot + warm, F.lit("warm")) \
         .otherwise(F.lit("cold"))
-    out = x.select(kind.alias("kind"), start.alias("window_start"), end.alias("window_end"), role.alias("role"),
-                   column.alias("column"), "id", "lookups", "requests", "first_date",
-                   (F.col("first_date") >= start).alias("first_seen"), "rank", tier.alias("tier"))
-    if len(sets) > 1:
-        out = out.hint("rebalance", "kind", "window_end")  # a file per set, as the samples
-    return out
+    # the window's exchange by (set, column) already puts a set's rows in few tasks: no rebalance
+    return x.select(kind.alias("kind"), start.alias("window_start"), end.alias("window_end"), role.alias("role"),
+                    column.alias("column"), "id", "lookups", "requests", "first_date",
+                    (F.col("first_date") >= start).alias("first_seen"), "rank", tier.alias("tier"))
 
 
 def write(spark, cfg: C.Config, layout: Layout, build_dir: str, sets: list[tuple[str, dt.date, dt.date]],
           open_start: list[bool] | None = None) -> list[dict]:
     """Replace the ``id_stats`` rows of ``sets`` (as :func:`stats_frame`) in one commit; per
-    set, its summary (:func:`summary`)."""
+    set, its summary (:func:`summary`, from the rows as written, kept for it)."""
     path = delta_io.table_path(build_dir, "id_stats")
     where = " OR ".join(f"(kind = '{k}' AND window_end = '{en.isoformat()}')" for k, _, en in sets)
-    delta_io.replace(stats_frame(spark, cfg, layout, build_dir, sets, open_start), path, where, schema=S.ID_STATS)
-    return summary(spark, cfg, path, [(k, en) for k, _, en in sets])
+    df = stats_frame(spark, cfg, layout, build_dir, sets, open_start).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        delta_io.replace(df, path, where, schema=S.ID_STATS)
+        return summary(cfg, df, [(k, en) for k, _, en in sets])
+    finally:
+        df.unpersist()
 
 
-def summary(spark, cfg: C.Config, path: str, keys: list[tuple[str, dt.date]]) -> list[dict]:
+def summary(cfg: C.Config, stats: DataFrame, keys: list[tuple[str, dt.date]]) -> list[dict]:
     """Per set ((kind, window_end) each), per id column: distinct ids, lookups, requests, new
     ids (``first_seen``) and their lookups, and per tier its ids and lookups; from one
-    aggregation of the table (a few rows per set come back, no ids).
+    aggregation of ``stats`` (the table's rows; a few rows per set come back, no ids).
 
     Example::
 
-        summary(spark, cfg, delta_io.table_path(D, "id_stats"), [("incremental", date(2026, 1, 10))])
+        summary(cfg, delta_io.read(spark, delta_io.table_path(D, "id_stats")), [("incremental", date(2026, 1, 10))])
         # [{"item_id": {"role": "item", "distinct": 812, "lookups": 9120, "first_seen": 37, ...}}]
     """
-    t = delta_io.read(spark, path)
+    t = stats
     cond = F.lit(False)
     for k, en in keys:
         cond = cond | ((F.col("kind") == k) & (F.col("window_end") == F.lit(en)))
