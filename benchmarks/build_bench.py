@@ -276,7 +276,7 @@ def synth_params(impressions: int, days: int, bot_share: float, users: int | Non
 
 
 def make_log(out: str, kind: str, impressions: int, days: int, L: int, seed: int, bot_share: float,
-             users: int | None = None, start: str = "2026-01-01") -> dict:
+             users: int | None = None, start: str = "2026-01-01", arrivals: bool = False) -> dict:
     """A synth log of one kind (lean with its action log), not timed; returns synth's summary plus
     ``input``, ``actions``, ``cfg_path``, ``impressions`` and the bot's measured rows."""
     import pyarrow.compute as pc
@@ -287,7 +287,7 @@ def make_log(out: str, kind: str, impressions: int, days: int, L: int, seed: int
     params = synth_params(impressions, days, bot_share, users)
     kinds = ("lean", "actions") if kind == "lean" else ("fat",)
     s = synth(out, start=start, days=days, impressions=None if users else impressions, users=users or 200,
-              max_seq_len=L, kinds=kinds, seed=seed, params=params, log=io.StringIO())
+              max_seq_len=L, kinds=kinds, seed=seed, params=params, log=io.StringIO(), arrivals=arrivals)
     s["input"] = os.path.join(out, kind)
     s["actions"] = os.path.join(out, "actions") if kind == "lean" else None
     s["cfg_path"] = os.path.join(out, "config.yaml" if kind == "lean" else "config_fat.yaml")
@@ -993,6 +993,101 @@ def sparse_section(spark, work: str, args) -> dict:
 # ---------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------
+# The cost sections: what an option adds to the build, both builds side by side
+# ---------------------------------------------------------------------------
+ARRIVAL_TARGET = (1.10, 2)  # issue #57: with an arrival column at most 1.1x the build, at most 2 more Spark jobs
+ID_STATS_TARGET = 1.10  # issue #58: the id statistics at most 10% of the build
+
+
+def paired_builds(spark, work: str, runs: dict, reps: int) -> dict:
+    """Each of ``runs`` (name -> (cfg, log, context manager factory)) built ``reps`` times,
+    alternating (a, b, a, b: both meet the same state of the machine); per name the minimum
+    wall time and the Spark jobs of that build."""
+    out = {name: {"times": [], "jobs": None} for name in runs}
+    for rep in range(reps):
+        for name, (cfg, log, ctx) in runs.items():
+            group = f"cost-{name}-{rep}-{next(_groups)}"
+            with ctx():
+                el, rep_, jobs = build_run(spark, cfg, log, os.path.join(work, f"cost-{name}"), as_of_after(log),
+                                           log["args"]["days"] - 1, 1, group=group)
+            out[name]["times"].append(round(el, 2))
+            out[name]["jobs"] = jobs
+            print(f"  {name}: {el:.1f} s, {jobs} Spark jobs", flush=True)
+    for v in out.values():
+        v["build_s"] = min(v["times"])
+    return out
+
+
+def _cost_size(args) -> int:
+    return max(int(int(x) * args.scale) for x in args.sizes.split(","))
+
+
+_cost_logs: dict[str, dict] = {}
+
+
+def cost_log(work: str, args, arrivals: bool) -> dict:
+    """The cost sections' lean log at the largest ``--sizes`` (made once per run; with
+    ``arrivals`` synth adds the arrival columns and maps them, every other column the same)."""
+    path = os.path.join(work, "cost-arrivals" if arrivals else "cost-plain")
+    if path not in _cost_logs:
+        _cost_logs[path] = make_log(path, "lean", _cost_size(args), args.days, args.max_seq_len, args.seed,
+                                    args.bot_share, arrivals=arrivals)
+    return _cost_logs[path]
+
+
+def arrival_section(spark, work: str, args) -> dict:
+    """Issue #57's cost: the same lean log (synth's other columns do not change with
+    ``--arrivals``) built without an arrival column and with one, alternating, ``--cost-reps``
+    times each: the wall time ratio and the extra Spark jobs."""
+    from userwise.pipelines import config as C
+
+    plain, late = cost_log(work, args, False), cost_log(work, args, True)
+    runs = {"without arrival": (C.load(plain["cfg_path"]), plain, contextlib.nullcontext),
+            "with arrival": (C.load(late["cfg_path"]), late, contextlib.nullcontext)}
+    res = paired_builds(spark, work, runs, args.cost_reps)
+    a, b = res["without arrival"], res["with arrival"]
+    ratio, extra = b["build_s"] / a["build_s"], b["jobs"] - a["jobs"]
+    out = {"impressions": plain["impressions"], "builds": res, "ratio": round(ratio, 3), "extra_jobs": extra}
+    out["verdicts"] = [verdict("arrival cost", ratio <= ARRIVAL_TARGET[0] and extra <= ARRIVAL_TARGET[1],
+                               f"with an arrival column {b['build_s']:.1f} s = {ratio:.2f}x without "
+                               f"({a['build_s']:.1f} s), {extra:+d} Spark jobs ({a['jobs']} -> {b['jobs']}) at "
+                               f"{plain['impressions']:,} impressions (target <= {ARRIVAL_TARGET[0]}x, "
+                               f"<= {ARRIVAL_TARGET[1]} more jobs)")]
+    return out
+
+
+def id_stats_section(spark, work: str, args) -> dict:
+    """Issue #58's cost: one lean log built with the id statistics and with their step left out
+    (``steps.id_stats.write`` replaced by nothing, the rest of the build unchanged), alternating."""
+    from userwise.pipelines import config as C
+    from userwise.pipelines.builder import steps as B_steps
+
+    log = cost_log(work, args, False)
+    cfg = C.load(log["cfg_path"])
+
+    @contextlib.contextmanager
+    def without_id_stats():
+        real = B_steps.id_stats.write
+        B_steps.id_stats.write = lambda spark, cfg, layout, build_dir, meta, *a, **k: [{} for _ in meta]
+        try:
+            yield
+        finally:
+            B_steps.id_stats.write = real
+
+    runs = {"without id_stats": (cfg, log, without_id_stats), "with id_stats": (cfg, log, contextlib.nullcontext)}
+    res = paired_builds(spark, work, runs, args.cost_reps)
+    a, b = res["without id_stats"], res["with id_stats"]
+    ratio = b["build_s"] / a["build_s"]
+    out = {"impressions": log["impressions"], "builds": res, "ratio": round(ratio, 3),
+           "extra_jobs": b["jobs"] - a["jobs"]}
+    out["verdicts"] = [verdict("id_stats cost", ratio <= ID_STATS_TARGET,
+                               f"the build with its id statistics {b['build_s']:.1f} s = {ratio:.2f}x without "
+                               f"them ({a['build_s']:.1f} s), {b['jobs'] - a['jobs']:+d} Spark jobs, at "
+                               f"{log['impressions']:,} impressions (target <= {ID_STATS_TARGET}x)")]
+    return out
+
+
+# ---------------------------------------------------------------------------
 # The length section: the build against the point-wise job by L, one process per L
 # ---------------------------------------------------------------------------
 LENGTHS = (50, 200, 1000, 2000, 4000)
@@ -1295,7 +1390,7 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-SECTIONS = ("length", "days", "impression", "skew", "sparse")
+SECTIONS = ("length", "days", "impression", "skew", "sparse", "arrival", "id_stats")
 
 
 def warm_up(spark, work: str, args, kinds: list[str]) -> None:
@@ -1352,6 +1447,8 @@ def main(argv=None) -> int:
     p.add_argument("--length-one", type=int, default=None, help=argparse.SUPPRESS)  # the process of one L
     p.add_argument("--length-log", default=None, help=argparse.SUPPRESS)
     p.add_argument("--length-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cost-reps", type=int, default=2,
+                   help="arrival and id_stats sections: builds of each variant, alternating (the minimum counts)")
     p.add_argument("--max-seq-len", type=int, default=50)
     p.add_argument("--reps", type=int, default=1, help="runs of each per size (the minimum is reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -1427,7 +1524,8 @@ def main(argv=None) -> int:
             if not args.no_warmup:
                 used = ((kinds if "impression" in sections else []) + (skew_kinds if "skew" in sections else [])
                         + (days_kinds if "days" in sections else [])
-                        + ([args.sparse_kind] if "sparse" in sections else []))
+                        + ([args.sparse_kind] if "sparse" in sections else [])
+                        + (["lean"] if {"arrival", "id_stats"} & set(sections) else []))
                 warm_up(spark, work, args, [k for k in ("lean", "fat") if k in used])
         return spark
 
@@ -1495,12 +1593,23 @@ def main(argv=None) -> int:
               f"{', '.join(map(str, args.sparse_spans))} days", flush=True)
         return sparse_section(session(), work, args)
 
+    def run_arrival():
+        print(f"\n== arrival: the build with an arrival column against without, {_cost_size(args):,} impressions",
+              flush=True)
+        return arrival_section(session(), work, args)
+
+    def run_id_stats():
+        print(f"\n== id_stats: the build with its id statistics against without, {_cost_size(args):,} impressions",
+              flush=True)
+        return id_stats_section(session(), work, args)
+
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    runs = {"length": run_length, "days": run_days, "impression": run_impression, "skew": run_skew, "sparse": run_sparse}
+    runs = {"length": run_length, "days": run_days, "impression": run_impression, "skew": run_skew,
+            "sparse": run_sparse, "arrival": run_arrival, "id_stats": run_id_stats}
     verdicts = []
     for name in SECTIONS:
         if name not in sections:

@@ -220,3 +220,30 @@ def test_the_length_section_runs_one_process_per_L(tmp_path):
     assert x["samples_vs_distinct"] == round(x["samples_events"] / x["distinct_events"], 2)
     assert x["fat_events"] > x["samples_events"]  # every impression repeats its history point-wise
     assert sec["crossover_L"] is None and sec["verdicts"] == []  # one length: no crossover, no target at L=30
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_the_cost_sections_build_each_variant_side_by_side(tmp_path):
+    """The arrival and id_stats sections on a tiny log: each builds its two variants (an arrival
+    column or none; the id statistics or none), counts the Spark jobs of each, and judges the
+    ratio of the two builds; the id statistics left out write no id_stats table."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, BENCH, "--sections", "arrival,id_stats", "--sizes", "3000", "--days", "2",
+                        "--cost-reps", "1", "--no-warmup", "--no-ui", "--no-plot", "--keep", "--workdir",
+                        str(tmp_path / "work"), "--json", str(out), "--conf", "spark.sql.shuffle.partitions=2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())["sections"]
+    for name, (a, b) in {"arrival": ("without arrival", "with arrival"),
+                         "id_stats": ("without id_stats", "with id_stats")}.items():
+        sec = res[name]
+        assert "error" not in sec, sec
+        x, y = sec["builds"][a], sec["builds"][b]
+        assert x["build_s"] > 0 and y["build_s"] > 0 and x["jobs"] > 0 and y["jobs"] > 0
+        assert sec["ratio"] == round(y["build_s"] / x["build_s"], 3)
+        assert sec["extra_jobs"] == y["jobs"] - x["jobs"]
+        assert f"VERDICT {name.replace('_', ' ') if name == 'arrival' else 'id_stats'} cost" in sec["verdicts"][0]
+    assert res["id_stats"]["extra_jobs"] > 0  # leaving the statistics out is seen: fewer jobs
+    assert not (tmp_path / "work" / "cost-without id_stats" / "id_stats").exists()
+    assert (tmp_path / "work" / "cost-with id_stats" / "id_stats" / "_delta_log").is_dir()
