@@ -42,44 +42,10 @@ __all__ = ["TableStats", "lru_stack_distances", "table_stats", "table_stats_from
            "planner_constraints"]
 
 
-def _distances_py(codes: np.ndarray, n_ids: int) -> np.ndarray:
+def _distances(codes, n_ids):
     """Stack distances by a Fenwick tree over access times: a 1 at each id's last access; an
-    access's distance is the 1s after its id's previous access."""
-    n = len(codes)
-    tree = np.zeros(n + 1, dtype=np.int64)
-    last = np.full(n_ids, -1, dtype=np.int64)
-    out = np.empty(n, dtype=np.int64)
-    total = 0
-
-    def add(i, v):
-        i += 1
-        while i <= n:
-            tree[i] += v
-            i += i & -i
-
-    def prefix(i):  # sum of [0, i)
-        s = 0
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-    for t in range(n):
-        c = codes[t]
-        p = last[c]
-        if p < 0:
-            out[t] = -1
-        else:
-            out[t] = total - prefix(p + 1)
-            add(p, -1)
-            total -= 1
-        add(t, 1)
-        total += 1
-        last[c] = t
-    return out
-
-
-def _distances_nb(codes, n_ids):
+    access's distance is the 1s after its id's previous access. Plain loops: numba compiles
+    them when it is installed; without it they run as they are, giving the same distances."""
     n = len(codes)
     tree = np.zeros(n + 1, dtype=np.int64)
     last = np.full(n_ids, -1, dtype=np.int64)
@@ -135,9 +101,9 @@ def lru_stack_distances(stream: np.ndarray) -> np.ndarray:
         try:
             import numba
 
-            _KERNEL.append(numba.njit(nogil=True)(_distances_nb))
-        except ImportError:  # numba is optional: the pure-Python tree gives the same distances
-            _KERNEL.append(_distances_py)
+            _KERNEL.append(numba.njit(nogil=True)(_distances))
+        except ImportError:  # numba is optional: the same loops in Python give the same distances
+            _KERNEL.append(_distances)
     return _KERNEL[0](codes, len(uniq))
 
 

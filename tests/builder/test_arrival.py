@@ -16,13 +16,12 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from tests.builder.test_build import _days, _same, _table
+from tests.builder.test_build import _daily_chain, _same, _table
 from tests.support import edgegen as E
 from tests.support.common import LEAN_CFG, fat_cfg
 from userwise import schemas as S
 from userwise.pipelines import config as C
 from userwise.pipelines.builder import build as B
-from userwise.pipelines.builder import daily
 from userwise.pipelines.builder.validate import sample_problems
 from userwise.schemas import reasons as R
 
@@ -138,16 +137,7 @@ def ranged(spark, log, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dailies(spark, log, tmp_path_factory):
     """The arrival log day by day through the daily jobs (the action log filed by arrival day)."""
-    out = str(tmp_path_factory.mktemp("daily"))
-    cfg = C.parse(log.config)
-    T = dt.date.fromisoformat(log.as_of)
-    for d in _days(log):
-        daily.requests_day(spark, cfg, log.impressions, out, d, log.actions)
-        daily.history_day(spark, cfg, out, d)
-        if d >= T - dt.timedelta(days=M):
-            daily.window_day(spark, cfg, out, d, N)
-    daily.pretrain(spark, cfg, out, T, M)
-    return out
+    return _daily_chain(spark, log, str(tmp_path_factory.mktemp("daily")))
 
 
 @pytest.mark.spark

@@ -73,7 +73,12 @@ def _days(log):
 @pytest.fixture(scope="module")
 def dailies(spark, log, tmp_path_factory):
     """The same log run day by day through the daily jobs."""
-    out = str(tmp_path_factory.mktemp("daily"))
+    return _daily_chain(spark, log, str(tmp_path_factory.mktemp("daily")))
+
+
+def _daily_chain(spark, log, out: str) -> str:
+    """``log`` day by day through the daily jobs into ``out``: each day's requests and history,
+    the windows of the last M days, then the pretrain set."""
     cfg = C.parse(log.config)
     T = dt.date.fromisoformat(log.as_of)
     for d in _days(log):

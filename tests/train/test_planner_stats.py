@@ -47,7 +47,7 @@ def test_stack_distances_equal_an_lru_simulation_at_every_size():
         assert misses == (d >= k).sum(), k
     # the pure-Python tree (numba absent) gives the same distances
     uniq, codes = np.unique(stream, return_inverse=True)
-    assert P._distances_py(codes.astype(np.int64), len(uniq)).tolist() == d.tolist()
+    assert P._distances(codes.astype(np.int64), len(uniq)).tolist() == d.tolist()
 
 
 def test_table_stats_expected_lookups_and_the_exact_curve_through_torchrec():
