@@ -16,8 +16,9 @@ The id columns are the item and the features ``columns.id_features`` lists
   hot, the next ``warm_budget`` warm, the rest cold (:attr:`Config.budget_ids`).
 
 One Spark plan over the requests table (before the sets' last end): per request and id
-column, its distinct ids with their counts (array functions, one explode), aggregated once per
-(id column, id) into its first day and every set's sums (one exchange), then a window ranks
+column, its ids' occurrences (two generators, each marked where the id first occurs in the
+request), aggregated once per (id column, id) into its first day and every set's sums (one
+exchange), then a window ranks
 each set's ids (a second); the report's summary aggregates the rows kept from the write. A set is the same code alone or among many, so the daily jobs and a
 range build write the same rows (tested by ``tests/builder/test_id_stats.py``).
 """
@@ -60,23 +61,22 @@ def _is_list(t) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
-def _per_request(cfg: C.Config, layout: Layout) -> Column:
-    """Per request, one struct per (id column, distinct id): ``c`` (the column's index in
-    :attr:`Config.id_columns`), ``id`` (a string) and ``n`` (its lookups: occurrences among
-    the impressions; for a request feature, occurrences times the request's impressions)."""
+def _occurrences(cfg: C.Config, layout: Layout, reqs: DataFrame) -> DataFrame:
+    """One row per occurrence of an id in a request: ``date``, ``c`` (the id column's index in
+    :attr:`Config.id_columns`), ``id`` (a string), ``n`` (its lookups: 1 per impression; for a
+    request feature, the request's impressions) and ``first`` (the id's first place in the
+    request's values, so the requests that carry it count once). Generators and native array
+    functions only (no per-element lambda: Spark evaluates those interpreted)."""
     parts = []
     for j, (role, col) in enumerate(cfg.id_columns):
         vals, per_imp = _values(layout, role, col)
-        vals = F.filter(F.transform(vals, lambda x: x.cast("string")), lambda x: x.isNotNull())
         mult = F.lit(1).cast("long") if per_imp else F.col("num_imps").cast("long")
-        parts.append(F.transform(F.array_distinct(vals), _counted(j, vals, mult)))
-    return F.flatten(F.array(*parts))
-
-
-def _counted(j: int, vals: Column, mult: Column):
-    """The struct of one distinct id ``d`` of ``vals`` (see :func:`_per_request`)."""
-    return lambda d: F.struct(F.lit(j).alias("c"), d.alias("id"),
-                              (F.size(F.filter(vals, lambda x: x == d)) * mult).alias("n"))
+        parts.append(F.struct(F.lit(j).alias("c"), vals.cast("array<string>").alias("v"), mult.alias("m")))
+    k = reqs.select("date", F.explode(F.array(*parts)).alias("_k"))
+    o = k.select("date", F.col("_k.c").alias("c"), F.col("_k.m").alias("n"), F.col("_k.v").alias("_v"),
+                 F.posexplode("_k.v").alias("_p", "id"))
+    return o.where(F.col("id").isNotNull()).select(
+        "date", "c", "id", "n", (F.array_position("_v", F.col("id")) == F.col("_p") + 1).alias("first"))
 
 
 def stats_frame(spark, cfg: C.Config, layout: Layout, build_dir: str,
@@ -87,15 +87,15 @@ def stats_frame(spark, cfg: C.Config, layout: Layout, build_dir: str,
     open_start = open_start or [False] * len(sets)
     dend = max(en for _, _, en in sets)
     reqs = delta_io.read(spark, delta_io.table_path(build_dir, "requests")).where(F.col("date") < F.lit(dend))
-    occ = reqs.select("date", F.explode(_per_request(cfg, layout)).alias("_o"))
-    occ = occ.select("date", F.col("_o.c").alias("c"), F.col("_o.id").alias("id"), F.col("_o.n").alias("n"))
+    occ = _occurrences(cfg, layout, reqs)
     # one aggregation per (column, id): its first day and, per set, its lookups and requests
     aggs = [F.min("date").alias("first_date")]
     for j, ((_, st, en), whole) in enumerate(zip(sets, open_start)):
         inside = F.col("date") < F.lit(en)
         if not whole:
             inside = inside & (F.col("date") >= F.lit(st))
-        aggs += [F.sum(F.when(inside, F.col("n"))).alias(f"_l{j}"), F.count(F.when(inside, F.lit(1))).alias(f"_r{j}")]
+        aggs += [F.sum(F.when(inside, F.col("n"))).alias(f"_l{j}"),
+                 F.count(F.when(inside & F.col("first"), F.lit(1))).alias(f"_r{j}")]
     g = occ.groupBy("c", "id").agg(*aggs)
     per_set = F.filter(F.array(*[F.struct(F.lit(j).alias(SET), F.col(f"_l{j}").alias("lookups"),
                                           F.col(f"_r{j}").alias("requests")) for j in range(len(sets))]),
