@@ -214,9 +214,10 @@ def serve_half(tmp: str, heavy: int, stream) -> dict:
     import numpy as np
     import torch
 
+    from tests.support.serving import serve_and_recompute
     from userwise.pipelines import api
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-    from userwise.pipelines.serve import Candidates, Events, KVStore, chain_of, extend, full_scores, prefill, score
+    from userwise.pipelines.serve import Candidates, Events, KVStore, chain_of
     from userwise.pipelines.shards import manifest
     from userwise.pipelines.train import ReferenceRanker, UserBatch
 
@@ -272,14 +273,8 @@ def serve_half(tmp: str, heavy: int, stream) -> dict:
         v = cur[max(0, n - L):]
         spans_ok &= bool(torch.equal(span.item, v.item) and torch.equal(span.side, v.side)
                          and torch.equal(span.action, v.action))
-        chain = chain_of(cur, block=PAGE, version="v")
-        with store.acquire(heavy, chain, max_seq_len=L) as lease:
-            served_from.append(lease.length)
-            st = prefill(model, cur, max_seq_len=L, page_size=PAGE) if lease.state is None \
-                else extend(model, lease.state, cur[lease.length:])
-            store.put(heavy, chain, st)
-            cached = score(model, st, cands)
-        ref = full_scores(model, cur, cands, L)
+        cached, ref, held_len = serve_and_recompute(store, model, heavy, cur, cands, max_seq_len=L, page_size=PAGE)
+        served_from.append(held_len)
         worst = max(worst, float((cached - ref).abs().max() / ref.abs().max().clamp(min=1e-6)))
         lengths.append(n)
     store.check()

@@ -43,9 +43,10 @@ def flow(tmp: str) -> dict:
     import torch
 
     from tests.support.memory import peak_mb
+    from tests.support.serving import serve_and_recompute
     from userwise import schemas
     from userwise.pipelines.loader import UserwiseDataset, UserwiseLoader
-    from userwise.pipelines.serve import Candidates, Events, KVStore, chain_of, extend, full_scores, prefill, score
+    from userwise.pipelines.serve import Candidates, Events, KVStore, chain_of
     from userwise.pipelines.shards import preshard, stage
     from userwise.pipelines.tools.shardgen import HEAVY, layout, long_user_samples
     from userwise.pipelines.train import ReferenceRanker, UserBatch
@@ -97,14 +98,8 @@ def flow(tmp: str) -> dict:
         mask = sp.imp_req == r
         cands = Candidates(ub.tgt_item[mask], ub.tgt_side[mask])
         cur = events[:end]
-        chain = chain_of(cur, block=PAGE, version="v")
-        with store.acquire(HEAVY, chain, max_seq_len=L) as lease:
-            served_from.append(lease.length)
-            st = prefill(model, cur, max_seq_len=L, page_size=PAGE) if lease.state is None \
-                else extend(model, lease.state, cur[lease.length:])
-            store.put(HEAVY, chain, st)
-            cached = score(model, st, cands)
-        ref = full_scores(model, cur, cands, L)
+        cached, ref, held = serve_and_recompute(store, model, HEAVY, cur, cands, max_seq_len=L, page_size=PAGE)
+        served_from.append(held)
         worst = max(worst, float((cached - ref).abs().max() / ref.abs().max().clamp(min=1e-6)))
         lengths.append(end)
     store.check()
