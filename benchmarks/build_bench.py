@@ -34,7 +34,17 @@ written, with no checks (a test checks that its rows hold the histories
 ``userwise expand`` gives for the build). Goal beyond #49: the build at most
 its cost.
 
-Sections (``--sections``, default all four):
+Sections (``--sections``, default all):
+
+- **length** (issue #56): the production-shaped log (``synth --shape production``) made once,
+  then one process per L of ``--lengths`` (50..4000), each with its own Spark session: floor,
+  point-wise job, build (M = days - 1, N = 1; history 2 L, sample cost 20 L) and its tables
+  least plan, with bytes written, fat rows in training order and stored / distinct events.
+  Targets: the build at most 0.5x the job at L = 1000 and 0.25x at L = 4000; the crossover
+  L is printed; plot ``build_bench_length.png``.
+- **arrival**, **id_stats** (issues #57, #58): the largest lean size built with and without an
+  arrival column, and with and without the id statistics step, alternating ``--cost-reps``
+  times. Targets: at most 1.1x (and, with an arrival column, at most 2 more Spark jobs).
 
 - **days**: one log of ``--days-span`` days built with M=2/N=1, M=30/N=1 and
   M=30/N=30 (as-of the day after the log): wall time and Spark jobs (the
