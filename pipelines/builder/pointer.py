@@ -92,11 +92,6 @@ def _value(v) -> Column:
     return v if isinstance(v, Column) else F.lit(v)
 
 
-def _field(name: str):
-    """A one-argument lambda for F.transform (a second argument would be the index)."""
-    return lambda x: x[name]
-
-
 def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
                 kind: str | Column, window_start: dt.date | Column | None, window_end: dt.date | Column,
                 seq_map: dict[str, str], part: tuple[str, ...] = ()) -> DataFrame:
@@ -145,7 +140,7 @@ def sample_rows(cfg: Config, layout: Layout, seq: DataFrame, reqs: DataFrame,
                                  lambda k: F.aggregate(F.slice(ovr, 1, k), F.lit(0),
                                                        lambda a, x: a + x["ol"]))).cast("array<int>")
             .alias(OVR + "offsets"),
-            *[F.flatten(F.transform(ovr, _field(f"o{j}"))).alias(OVR + sf.name)
+            *[F.flatten(ovr.getField(f"o{j}")).alias(OVR + sf.name)
               for j, sf in enumerate(layout.seq_fields)],
         ]
     r = g.select(*sel)
@@ -227,14 +222,16 @@ def chunk_events(x: DataFrame) -> DataFrame:
 
 
 def events_before_each(times: Column, marks: Column) -> Column:
-    """Per mark (``marks``: ascending times), the number of ``times`` (ascending) strictly
-    before it, in the marks' order: one sort of both merged, where a mark precedes the
-    times equal to it; a mark's place in it minus the marks before it."""
-    merged = F.sort_array(F.concat(
-        F.transform(times, lambda t, i: F.struct(t.cast("long").alias("t"), F.lit(1).alias("k"), i.alias("j"))),
-        F.transform(marks, lambda t, j: F.struct(t.cast("long").alias("t"), F.lit(0).alias("k"), j.alias("j")))))
-    return F.transform(F.filter(F.transform(merged, lambda m, i: F.struct(m["k"].alias("k"), (i - m["j"]).alias("c"))),
-                                lambda z: z["k"] == 0), lambda z: z["c"])
+    """Per mark (``marks``: times, in any order), the number of ``times`` strictly before it,
+    in the marks' order. Native array functions only (no lambda per time): in the sorted
+    union of both, a mark's first occurrence is preceded by exactly the times and the marks
+    smaller than it; less the marks smaller than it (its first occurrence in the sorted
+    marks), the times. Each sorted array is bound once (:func:`let`), then one
+    ``array_position`` per mark."""
+    t = times.cast("array<bigint>")
+    m = marks.cast("array<bigint>")
+    return let(F.sort_array(F.concat(t, m)), lambda merged: let(F.sort_array(m), lambda ms: F.transform(
+        m, lambda x: (F.array_position(merged, x) - F.array_position(ms, x)).cast("int"))))
 
 
 def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFrame, sets: list[tuple],
@@ -281,7 +278,7 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     # slices, not scans of all the events.
     cut_times = sorted({t for b in seen for t in b if t is not None})
     cut = {t: r for r, t in enumerate(cut_times)}
-    cuts = events_before_each(F.transform("_E", lambda e: e[ts]), F.array(*[F.lit(t) for t in cut_times]))
+    cuts = events_before_each(F.col("_E").getField(ts), F.array(*[F.lit(t) for t in cut_times]))
     per_user = per_user.select("user", "_E", cuts.alias("_cuts"))
     ev_type = per_user.schema["_E"].dataType
     nar = requests.select("user", SET, "req_time", "req_id", "num_imps").groupBy("user", SET).agg(
@@ -300,9 +297,8 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
     own = F.slice(e_all, c + 1, d - c)
     x = x.select("user", SET, "_R", F.concat(base, own).alias("_S"))
     # seq_end: the set's events strictly before each request's time less the lag
-    ends = events_before_each(F.transform("_S", lambda e: e[ts]),
-                              F.transform("_R", lambda r: r["req_time"] - F.lit(lag)))
-    x = x.withColumn("_end", F.transform(ends, lambda e: e.cast("long")))
+    ends = events_before_each(F.col("_S").getField(ts), F.transform("_R", lambda r: r["req_time"] - F.lit(lag)))
+    x = x.withColumn("_end", ends.cast("array<bigint>"))
     q = F.transform("_R", lambda r, j: F.struct(
         r["req_time"].alias("req_time"), r["req_id"].alias("req_id"),
         F.greatest(F.col("_end")[j] - F.lit(L), F.lit(0).cast("long")).alias("_b"),
@@ -334,7 +330,7 @@ def lean_sets(cfg: Config, layout: Layout, events: DataFrame, requests: DataFram
                     F.when(has, F.col("_z._q._e")).otherwise(lh["lo"]).alias("_e"))
     # per chunk: its stored events, the stream's [lo, hi)
     seq_map = {sf.name: EV + sf.name for sf in layout.seq_fields}
-    seq = chunk_events(x).select("user", SET, "chunk", *[F.transform("_s", _field(col)).alias(SEQ + name)
+    seq = chunk_events(x).select("user", SET, "chunk", *[F.col("_s").getField(col).alias(SEQ + name)
                                              for name, col in seq_map.items()])
     wide = requests.join(reqs, on=["user", *part, "req_id", "req_time"], how="inner")
     kind, ws, we = (by_set([s_[i] for s_ in sets]) for i in range(3))
