@@ -37,7 +37,8 @@ its cost.
 Sections (``--sections``, default all):
 
 - **length** (issue #56): the production-shaped log (``synth --shape production``) made once,
-  then one process per L of ``--lengths`` (50..4000), each with its own Spark session: floor,
+  then one process per L of ``--lengths`` (50..4000), each with its own Spark session, warmed up
+  as the other sections are (the tiny warm-up build and point-wise job, not timed): floor,
   point-wise job, build (M = days - 1, N = 1; history 2 L, sample cost 20 L) and its tables
   least plan, with bytes written, fat rows in training order and stored / distinct events.
   Targets: the build at most 0.5x the job at L = 1000 and 0.25x at L = 4000; the crossover
@@ -1160,6 +1161,8 @@ def length_one(args) -> dict:
     cfg = length_config(log["cfg_path"], L)
     as_of, m = as_of_after(log), log["args"]["days"] - 1
     r = {"L": L, "impressions": log["impressions"], "m": m, "n": 1}
+    if not args.no_warmup:  # as every other section: JVM, Delta and codegen warmed for both jobs alike
+        warm_up(spark, work, args, ["lean"])
     floor_out, pw_out, b_out = (os.path.join(work, x) for x in ("floor", "pointwise", "build"))
     r["floor_s"] = round(floor_run(spark, [log["input"], log["actions"]], floor_out), 2)
     r["floor_bytes"] = dir_bytes(floor_out)
@@ -1237,6 +1240,7 @@ def length_section(work: str, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--length-one", str(L), "--length-log", log_json,
                "--length-out", out, "--workdir", work, "--seed", str(args.seed)]
         cmd += ["--no-length-least"] if args.no_length_least else []
+        cmd += ["--no-warmup"] if args.no_warmup else []
         for kv in args.conf:
             cmd += ["--conf", kv]
         t = time.perf_counter()
