@@ -156,15 +156,18 @@ def _late_events(trace: Trace) -> int:
     inserts mid-stream. 0 without action times."""
     if trace.ev_time is None or not len(trace.ev_time):
         return 0
-    t = trace.ev_time.numpy()
-    so = trace.seq_offsets
-    out = 0
-    for s in range(len(so) - 1):
-        a, b = int(so[s]), int(so[s + 1])
-        if b - a > 1:
-            seg = t[a:b]
-            out += int((seg[1:] < np.maximum.accumulate(seg)[:-1]).sum())
-    return out
+    so = np.asarray(trace.seq_offsets, dtype=np.int64)
+    t = np.asarray(trace.ev_time.numpy())[int(so[0]):int(so[-1])]
+    if len(t) < 2:
+        return 0
+    # one pass over all samples: each event's key is its sample's index times n plus the dense
+    # rank of its time, so a running max never reaches back into an earlier sample
+    n, lens = len(t), np.diff(so)
+    _, rank = np.unique(t, return_inverse=True)
+    key = np.repeat(np.arange(len(lens), dtype=np.int64), lens) * n + rank.astype(np.int64)
+    starts = np.zeros(n, dtype=bool)
+    starts[(so[:-1] - so[0])[lens > 0]] = True
+    return int(((key[1:] < np.maximum.accumulate(key)[:-1]) & ~starts[1:]).sum())
 
 
 def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size: int, tol: float, device,
