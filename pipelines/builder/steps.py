@@ -130,17 +130,16 @@ def ingest_range(spark, cfg: C.Config, input_path: str, build_dir: str, start: d
         if start is not None and "date" in a_cols:
             a_raw = _date_filter(a_raw, cfg, start, end)
         a_events, a_checked = ingest.action_log(cfg, layout, a_raw)
+        # the as-of cut, chosen once: with an arrival column the action log is filed by arrival
+        # day (events arriving at or after as-of are a later build's), else by action time
         if cfg.actions.arrival is not None:
-            # filed by arrival: the events that arrive at or after as-of are a later build's
-            a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_date") < F.lit(as_of or end)))
+            checked_now, event_now = F.col("_date") < F.lit(as_of or end), F.col("date") < F.lit(as_of or end)
         else:
-            a_checked = a_checked.where(F.col("_reason").isNotNull() | (F.col("_at") < F.lit(limit)))
+            checked_now, event_now = F.col("_at") < F.lit(limit), F.col(EV + "ts") < F.lit(limit)
+        a_checked = a_checked.where(F.col("_reason").isNotNull() | checked_now)
         if start is not None:
             a_events = a_events.where((F.col("date") >= F.lit(start)) & (F.col("date") < F.lit(end)))
-        if cfg.actions.arrival is not None:
-            a_events = a_events.where(F.col("date") < F.lit(as_of or end))
-        else:
-            a_events = a_events.where(F.col(EV + "ts") < F.lit(limit))
+        a_events = a_events.where(event_now)
         aq = ingest.quarantine_rows(a_checked, tuple(a_cols), "actions")
         a_filled = cfg.actions.arrival is not None
         with progress.step("actions") as st:
