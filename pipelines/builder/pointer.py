@@ -178,13 +178,12 @@ SET = "_set"
 
 
 def by_set(values: list):
-    """A set's value as a column over ``_set`` (a literal when there is one set)."""
+    """A set's value as a column over ``_set`` (a literal when there is one set): one array
+    literal indexed by the set, so the expression stays one node however many sets (a chain of
+    CASE WHENs grew with them, in every place the plan reads it)."""
     if len(values) == 1:
         return values[0]
-    c = F.lit(None)
-    for i, v in enumerate(values):
-        c = F.when(F.col(SET) == i, F.lit(v)).otherwise(c)
-    return c
+    return F.array(*[F.lit(v) for v in values])[F.col(SET)]
 
 
 def let(value: Column, body) -> Column:
