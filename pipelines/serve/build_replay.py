@@ -161,13 +161,12 @@ def _late_events(trace: Trace) -> int:
     if len(t) < 2:
         return 0
     # one pass over all samples: each event's key is its sample's index times n plus the dense
-    # rank of its time, so a running max never reaches back into an earlier sample
+    # rank of its time, so every key of a sample is above every key of the samples before it
+    # and the running max never reaches back into them (a sample's first event is never late)
     n, lens = len(t), np.diff(so)
     _, rank = np.unique(t, return_inverse=True)
     key = np.repeat(np.arange(len(lens), dtype=np.int64), lens) * n + rank.astype(np.int64)
-    starts = np.zeros(n, dtype=bool)
-    starts[(so[:-1] - so[0])[lens > 0]] = True
-    return int(((key[1:] < np.maximum.accumulate(key)[:-1]) & ~starts[1:]).sum())
+    return int((key[1:] < np.maximum.accumulate(key)[:-1]).sum())
 
 
 def _node(trace: Trace, node: int, model, version, store: KVStore, *, page_size: int, tol: float, device,

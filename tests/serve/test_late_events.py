@@ -210,3 +210,32 @@ def test_bad_orders_are_refused(late_trace):
     with pytest.raises(UserwiseError, match="no action times"):
         replay(bare, order="action_time", device="cpu", dim=16)
     assert replay(bare, order="arrival", device="cpu", dim=16, max_requests=5)["order"] == "arrival"
+
+
+def test_late_event_count_equals_a_loop_per_sample():
+    """The replay's late-event count (one pass over all samples) equals counting sample by
+    sample: events whose action time is below the largest before them in their own sample,
+    with ties, empty samples and a sample's first event never counted."""
+    from types import SimpleNamespace
+
+    from userwise.pipelines.serve.build_replay import _late_events
+
+    def by_loop(t, so):
+        out = 0
+        for a, b in zip(so[:-1], so[1:]):
+            hi = None
+            for v in t[a:b]:
+                out += hi is not None and v < hi
+                hi = v if hi is None else max(hi, v)
+        return out
+
+    rng = np.random.default_rng(7)
+    seen = 0
+    for _ in range(200):
+        lens = rng.integers(0, 8, size=rng.integers(1, 20))
+        so = np.concatenate([[0], np.cumsum(lens)])
+        t = rng.integers(0, 5, size=int(so[-1])).astype(np.int64) * 10**12  # ties, epoch-sized times
+        want = by_loop(t, so)
+        seen += want
+        assert _late_events(SimpleNamespace(ev_time=torch.from_numpy(t), seq_offsets=so)) == want
+    assert seen > 0
